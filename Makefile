@@ -1,0 +1,26 @@
+# make demo: run the main job on the shipped checkpoint; make test: the CPU test suite.
+# Both create the venv .venv at the checkout root on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the CPU build of torch lies on disk; install it before anything that could pull a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m jaxgdn.generate
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,57 @@
+"""Gated DeltaNet layer of Qwen3.5 (reference §6): projections, causal conv, gates, core, gated norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gdn import gated_delta_rule
+
+from .config import ModelConfig
+from .mlp import linear
+from .norms import gated_rms_norm, upcast
+from .state import GDNState, empty_gdn_state
+
+
+def causal_conv_silu(mixed, window, conv_weight):
+    """Depthwise causal conv + SiLU over [window ‖ mixed].
+
+    mixed: [B, T, C] new pre-conv inputs; window: [B, Kc-1, C] previous inputs (oldest first);
+    conv_weight: [C, 1, Kc] with tap Kc-1 on the current token.
+    Returns (out [B, T, C] in mixed.dtype, new window [B, Kc-1, C] = last Kc-1 inputs).
+    """
+    T = mixed.shape[1]
+    Kc = conv_weight.shape[-1]
+    full = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
+    w = upcast(conv_weight[:, 0, :])  # [C, Kc]
+    acc = sum(upcast(full[:, j : j + T]) * w[:, j] for j in range(Kc))
+    return jax.nn.silu(acc).astype(mixed.dtype), full[:, T:]
+
+
+def gdn_gates(p, a, b):
+    """a, b: [B, T, Hv] -> (g log decay, beta) both fp32. g = -exp(A_log) * softplus(a + dt_bias)."""
+    beta = upcast(jax.nn.sigmoid(b))
+    g = -jnp.exp(upcast(p.A_log)) * jax.nn.softplus(upcast(a) + upcast(p.dt_bias))
+    return g, beta
+
+
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked"):
+    """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros).
+
+    Returns (out [B, T, H], new GDNState).
+    """
+    B, T, _ = x.shape
+    Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if state is None:
+        state = empty_gdn_state(cfg, B, x.dtype)
+    mixed = linear(x, p.in_proj_qkv)
+    z = linear(x, p.in_proj_z).reshape(B, T, Hv, dv)
+    g, beta = gdn_gates(p, linear(x, p.in_proj_a), linear(x, p.in_proj_b))
+    u, conv = causal_conv_silu(mixed, state.conv, p.conv1d)
+    q = u[..., :Kd].reshape(B, T, Hk, dk)
+    k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
+    v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)
+    o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl)
+    y = gated_rms_norm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, x.dtype)
+    return linear(y.reshape(B, T, Hv * dv), p.out_proj), GDNState(conv=conv, ssm=ssm)

@@ -1,0 +1,66 @@
+"""The Qwen3.5 text model as pure functions over a ModelParams pytree (reference §3).
+
+`forward` runs new tokens on top of an optional cache; with cache=None it is the full-sequence
+forward from an empty state. Decode, chunked-prefill continuation and multi-token verification are
+all `forward` on a populated cache.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .attention import attention_layer
+from .config import FULL_ATTENTION, ModelConfig
+from .gdn import gdn_layer
+from .mlp import linear, mlp
+from .norms import rms_norm_1p
+from .params import DecoderLayerParams, ModelParams
+from .state import ModelCache
+
+
+def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl):
+    """Pre-norm residual block: x + Mixer(norm(x)), then + MLP(norm(.)). Returns (x, new layer cache)."""
+    h = rms_norm_1p(x, p.input_layernorm, cfg.rms_norm_eps)
+    if layer_type == FULL_ATTENTION:
+        h, layer_cache = attention_layer(p.mixer, cfg, h, positions, layer_cache, start)
+    else:
+        h, layer_cache = gdn_layer(p.mixer, cfg, h, layer_cache, impl=gdn_impl)
+    x = x + h
+    x = x + mlp(p.mlp, rms_norm_1p(x, p.post_attention_layernorm, cfg.rms_norm_eps))
+    return x, layer_cache
+
+
+def step_positions(cache: ModelCache | None, batch: int, num_tokens: int):
+    """Positions [B, T] of new tokens: cache lengths (or 0) + arange(T)."""
+    start = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
+    return start, start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+
+def logits_from_hidden(params: ModelParams, hidden):
+    """hidden: [..., H] (final-normed) -> logits [..., V] with the (possibly tied) head."""
+    return linear(hidden, params.head_weight())
+
+
+def forward(
+    params: ModelParams,
+    cfg: ModelConfig,
+    input_ids,
+    cache: ModelCache | None = None,
+    *,
+    gdn_impl: str = "chunked",
+    compute_logits: bool = True,
+):
+    """input_ids: [B, T] int. Returns (logits [B, T, V] or None, hidden [B, T, H] after the final norm,
+    new cache or None). The hidden is what the MTP head consumes."""
+    B, T = input_ids.shape
+    start, positions = step_positions(cache, B, T)
+    x = params.embed_tokens[input_ids]
+    new_layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        layer_cache = None if cache is None else cache.layers[i]
+        x, layer_cache = decoder_layer(params.layers[i], cfg, layer_type, x, positions, layer_cache, start, gdn_impl)
+        new_layers.append(layer_cache)
+    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    logits = logits_from_hidden(params, hidden) if compute_logits else None
+    new_cache = None if cache is None else ModelCache(layers=tuple(new_layers), lengths=cache.lengths + T)
+    return logits, hidden, new_cache

@@ -1,0 +1,92 @@
+"""Shared test helpers: small random configs and a Hugging Face reference model built from our params."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from jaxgdn.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jaxgdn.params import ModelParams, params_to_tensors
+
+L, F = LINEAR_ATTENTION, FULL_ATTENTION
+
+
+def small_config(**overrides) -> ModelConfig:
+    """The reference's recommended parity config: Hv = 2·Hk, dk != dv, conv 4, layers L,L,L,F."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        layer_types=(L, L, L, F),
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=1,
+        eos_token_ids=(1,),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def real_width_config(**overrides) -> ModelConfig:
+    """Qwen3.5-0.8B widths with 4 layers (L,L,L,F) and a cut vocabulary."""
+    base = dict(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=(L, L, L, F),
+        tie_word_embeddings=True,
+        mtp_num_hidden_layers=1,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def hf_text_config(cfg: ModelConfig):
+    from transformers import Qwen3_5TextConfig
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    return Qwen3_5TextConfig(**d)
+
+
+def to_torch(x) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(x, dtype=np.float32).copy())
+
+
+def hf_causal_lm(cfg: ModelConfig, params: ModelParams):
+    """transformers' Qwen3_5ForCausalLM (fp32, eager attention, torch paths) holding our weights."""
+    from transformers import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM._from_config(hf_text_config(cfg), attn_implementation="eager", dtype=torch.float32)
+    state = {k: to_torch(v) for k, v in params_to_tensors(cfg, params).items() if not k.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # lm_head is absent from our tensors when tied (HF ties it to the embedding).
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(ids)), use_cache=False).logits.numpy()
+
+
+def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
