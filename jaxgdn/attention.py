@@ -40,7 +40,9 @@ def gqa_attention(q, k, v, q_positions, k_positions, k_valid=None):
     visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
     if k_valid is not None:
         visible = visible & k_valid[:, None, :]
-    scores = jnp.where(visible[:, None, None], upcast(scores), -jnp.inf)
+    scores = upcast(scores)
+    # The dtype's minimum, not -inf: a row with no visible key (a padding row) gets finite weights.
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, Hq, D)

@@ -13,19 +13,25 @@ from .norms import gated_rms_norm, upcast
 from .state import GDNState, empty_gdn_state
 
 
-def causal_conv_silu(mixed, window, conv_weight):
+def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
     """Depthwise causal conv + SiLU over [window ‖ mixed].
 
     mixed: [B, T, C] new pre-conv inputs; window: [B, Kc-1, C] previous inputs (oldest first);
-    conv_weight: [C, 1, Kc] with tap Kc-1 on the current token.
-    Returns (out [B, T, C] in mixed.dtype, new window [B, Kc-1, C] = last Kc-1 inputs).
+    conv_weight: [C, 1, Kc] with tap Kc-1 on the current token; num_valid: optional [B] count of real
+    tokens per row (the rest is right padding).
+    Returns (out [B, T, C] in mixed.dtype, new window [B, Kc-1, C] = the last Kc-1 real inputs).
     """
     T = mixed.shape[1]
     Kc = conv_weight.shape[-1]
     full = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
     w = upcast(conv_weight[:, 0, :])  # [C, Kc]
     acc = sum(upcast(full[:, j : j + T]) * w[:, j] for j in range(Kc))
-    return jax.nn.silu(acc).astype(mixed.dtype), full[:, T:]
+    if num_valid is None:
+        new_window = full[:, T:]
+    else:
+        take = lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, Kc - 1, axis=0)  # noqa: E731
+        new_window = jax.vmap(take)(full, num_valid)
+    return jax.nn.silu(acc).astype(mixed.dtype), new_window
 
 
 def gdn_gates(p, a, b):
@@ -35,8 +41,10 @@ def gdn_gates(p, a, b):
     return g, beta
 
 
-def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked"):
-    """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros).
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked", num_valid=None):
+    """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros);
+    num_valid: optional [B] real tokens per row. Padded steps get g = 0 and beta = 0, so they neither
+    decay nor write the state: padding is a no-op.
 
     Returns (out [B, T, H], new GDNState).
     """
@@ -48,7 +56,10 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunk
     mixed = linear(x, p.in_proj_qkv)
     z = linear(x, p.in_proj_z).reshape(B, T, Hv, dv)
     g, beta = gdn_gates(p, linear(x, p.in_proj_a), linear(x, p.in_proj_b))
-    u, conv = causal_conv_silu(mixed, state.conv, p.conv1d)
+    if num_valid is not None:
+        valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
+        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    u, conv = causal_conv_silu(mixed, state.conv, p.conv1d, num_valid)
     q = u[..., :Kd].reshape(B, T, Hk, dk)
     k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
     v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)

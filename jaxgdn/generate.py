@@ -1,8 +1,6 @@
-"""`python -m jaxgdn.generate`: run the model on prompts.
+"""`python -m jaxgdn.generate`: generate completions with the jaxgdn engine.
 
-The serving engine (scheduler, sampling, MTP, PD) arrives with later issues. Until a default checkpoint
-ships in `checkpoints/`, this loads a checkpoint you name with `--model` and greedily continues token-id
-prompts with the dense-cache model, so the model and loader can be exercised end to end.
+With no arguments it runs the checkpoint shipped in checkpoints/ on its built-in demo prompts.
 """
 
 from __future__ import annotations
@@ -24,67 +22,97 @@ def default_checkpoint() -> Path | None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m jaxgdn.generate",
-        description="Greedy generation with jaxgdn's Qwen3.5 model (dense cache, one jitted step per token).",
+        description="Generate completions with jaxgdn (Qwen3.5: Gated DeltaNet + gated attention).",
     )
-    ap.add_argument("--model", help="checkpoint directory (config.json + safetensors); default: the one in checkpoints/")
-    ap.add_argument("--prompt-ids", action="append", default=[],
-                    help="comma-separated token ids, repeatable (text prompts need the tokenizer of a later issue)")
-    ap.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt (default 16)")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32", help="weight dtype (default float32)")
+    ap.add_argument("--model", help="checkpoint directory or preset (qwen3.5-0.8b = random weights); "
+                                    "default: the checkpoint shipped in checkpoints/")
+    g = ap.add_argument_group("prompts")
+    g.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    g.add_argument("--prompt-ids", action="append", default=[], help="a token-id prompt, comma-separated (repeatable)")
+    g.add_argument("--prompts-file", help="a file with one text prompt per line")
+    s = ap.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=16)
+    e.add_argument("--max-num-batched-tokens", type=int, default=512)
+    e.add_argument("--max-model-len", type=int, default=1024)
+    e.add_argument("--kv-page-size", type=int, default=16)
+    e.add_argument("--num-kv-pages", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true", help="exact shapes, no bucket padding")
+    e.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
+    e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
+                   help="input-assembly kernel (triton needs a GPU with jax-triton)")
     return ap.parse_args(argv)
+
+
+def collect_prompts(args) -> list:
+    prompts: list = list(args.prompt)
+    for p in args.prompt_ids:
+        prompts.append([int(t) for t in p.split(",") if t.strip()])
+    if args.prompts_file:
+        prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    return prompts
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = Path(args.model) if args.model else default_checkpoint()
+    model = args.model or default_checkpoint()
     if model is None:
         print(
             "jaxgdn: no default checkpoint ships in checkpoints/ yet (the trained tiny model is a later issue).\n"
-            "Run with --model /path/to/a/Qwen3.5/checkpoint --prompt-ids 1,2,3 to generate from your own weights.",
+            "Run with --model DIR (a Qwen3.5 checkpoint) or --model qwen3.5-0.8b (random weights) and a prompt.",
             file=sys.stderr,
         )
         return 2
-    if args.max_tokens < 1:
-        print("jaxgdn: --max-tokens must be >= 1", file=sys.stderr)
-        return 2
     try:
-        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids] or [[1]]
-    except ValueError:
-        print("jaxgdn: --prompt-ids takes comma-separated integers, e.g. 1,306,4658", file=sys.stderr)
+        prompts = collect_prompts(args)
+    except (ValueError, OSError) as e:
+        print(f"jaxgdn: bad prompts: {e}", file=sys.stderr)
+        return 2
+    if not prompts:
+        print("jaxgdn: give --prompt, --prompt-ids or --prompts-file", file=sys.stderr)
         return 2
 
-    import jax
-    import jax.numpy as jnp
-
-    from .checkpoint import CheckpointError, load_checkpoint
+    from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .model import forward
-    from .state import init_cache
+    from .engine_config import EngineConfig
+    from .llm import LLM
+    from .request import SamplingParams
 
     try:
-        cfg, params = load_checkpoint(model, dtype=getattr(jnp, args.dtype))
-    except (CheckpointError, ConfigError) as e:
+        config = EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
+            enforce_eager=args.enforce_eager, dtype=args.dtype,
+        )
+        llm = LLM(str(model), config, input_impl=args.input_impl)
+    except (CheckpointError, ConfigError, ValueError) as e:
         print(f"jaxgdn: {e}", file=sys.stderr)
         return 2
-    step = jax.jit(forward, static_argnums=1, donate_argnums=3)
-    for prompt in prompts:
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if not prompt or bad:
-            print(f"prompt {prompt}: skipped (empty or ids outside [0, {cfg.vocab_size}): {bad})", file=sys.stderr)
-            continue
-        t0 = time.perf_counter()
-        cache = init_cache(cfg, 1, len(prompt) + args.max_tokens, dtype=params.embed_tokens.dtype)
-        logits, _, cache = step(params, cfg, jnp.asarray([prompt], jnp.int32), cache)
-        out = []
-        for _ in range(args.max_tokens):
-            token = int(jnp.argmax(logits[0, -1]))
-            out.append(token)
-            if token in cfg.eos_token_ids:
-                break
-            logits, _, cache = step(params, cfg, jnp.asarray([[token]], jnp.int32), cache)
-        dt = time.perf_counter() - t0
-        print(f"prompt {prompt} -> {out}  ({len(out)} tokens, {len(out) / dt:.1f} tok/s incl. compile)")
-    return 0
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, sp)
+    elapsed = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outputs):
+        shown = prompt if isinstance(prompt, str) else f"ids {list(prompt)}"
+        print(f"=== {shown}")
+        if out.error:
+            print(f"[error] {out.error}")
+        else:
+            print(out.text if out.text is not None else f"ids {out.token_ids}")
+            print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}]")
+    n_tokens = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.ttft for o in outputs if o.ttft is not None]
+    mean_ttft = sum(ttfts) / len(ttfts) if ttfts else float("nan")
+    print(f"--- {len(outputs)} requests, {n_tokens} tokens in {elapsed:.2f}s: {n_tokens / elapsed:.1f} tok/s "
+          f"(incl. compile), mean TTFT {mean_ttft * 1000:.0f} ms, {llm.engine.num_steps} steps")
+    return 0 if all(o.error is None for o in outputs) else 1
 
 
 if __name__ == "__main__":

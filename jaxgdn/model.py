@@ -7,6 +7,8 @@ all `forward` on a populated cache.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax.numpy as jnp
 
 from .attention import attention_layer
@@ -18,16 +20,25 @@ from .params import DecoderLayerParams, ModelParams
 from .state import ModelCache
 
 
-def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl):
-    """Pre-norm residual block: x + Mixer(norm(x)), then + MLP(norm(.)). Returns (x, new layer cache)."""
-    h = rms_norm_1p(x, p.input_layernorm, cfg.rms_norm_eps)
-    if layer_type == FULL_ATTENTION:
-        h, layer_cache = attention_layer(p.mixer, cfg, h, positions, layer_cache, start)
-    else:
-        h, layer_cache = gdn_layer(p.mixer, cfg, h, layer_cache, impl=gdn_impl)
+def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable):
+    """Pre-norm residual block: x + mixer(norm(x)), then + MLP(norm(.)).
+
+    mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools).
+    Returns (x, new_state).
+    """
+    h, new_state = mixer(rms_norm_1p(x, p.input_layernorm, cfg.rms_norm_eps))
     x = x + h
     x = x + mlp(p.mlp, rms_norm_1p(x, p.post_attention_layernorm, cfg.rms_norm_eps))
-    return x, layer_cache
+    return x, new_state
+
+
+def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl):
+    """A decoder layer on a dense cache. Returns (x, new layer cache)."""
+    if layer_type == FULL_ATTENTION:
+        mixer = lambda h: attention_layer(p.mixer, cfg, h, positions, layer_cache, start)  # noqa: E731
+    else:
+        mixer = lambda h: gdn_layer(p.mixer, cfg, h, layer_cache, impl=gdn_impl)  # noqa: E731
+    return residual_block(p, cfg, x, mixer)
 
 
 def step_positions(cache: ModelCache | None, batch: int, num_tokens: int):

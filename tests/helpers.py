@@ -90,3 +90,25 @@ def hf_logits(model, ids) -> np.ndarray:
 
 def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+
+
+def naive_greedy(params, cfg: ModelConfig, prompt: list[int], num_tokens: int, pad_to: int = 256) -> list[int]:
+    """Greedy by full recompute, no cache. Right padding to a fixed length is exact for a causal model
+    and keeps the number of compiled shapes small."""
+    import jax
+
+    from jaxgdn.model import forward
+
+    fwd = _naive_fwd.setdefault(id(cfg), jax.jit(forward, static_argnums=1))
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        n = len(ids)
+        width = max(pad_to, 1 << (n - 1).bit_length())
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :n] = ids
+        logits = np.asarray(fwd(params, cfg, padded)[0])
+        ids.append(int(logits[0, n - 1].argmax()))
+    return ids[len(prompt):]
+
+
+_naive_fwd: dict = {}

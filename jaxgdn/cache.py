@@ -1,0 +1,147 @@
+"""State pools: paged attention KV (trunk + MTP layer), GDN slots, per-slot sampling state.
+
+Host side: `PageAllocator` and `SlotAllocator` hand out page ids and persistent request slots.
+Device side: `EngineState`, one pytree donated to every jitted step.
+  - attention layer i: k, v pools [num_pages, page_size, Hkv, D]; page 0 is the null page that padded
+    tokens write to and no real request owns.
+  - GDN layer i: conv [num_slots, Kc-1+K, C] (window at offset num_accepted-1) and ssm
+    [num_slots, 1+K, Hv, dk, dv] fp32 (checkpoint num_accepted-1 is the committed state); slot 0 is
+    the null slot of padded rows.
+  - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import FULL_ATTENTION, ModelConfig
+from .engine_config import EngineConfig
+from .pytree import pytree_dataclass
+
+Array = Any
+NULL_PAGE = 0
+NULL_SLOT = 0
+
+
+class PageAllocator:
+    """Free list of KV page ids 1..num_pages-1 (page 0 is the null page)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"need {n} KV pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class SlotAllocator:
+    """Persistent request slots 1..max_num_seqs (slot 0 is the null slot)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise MemoryError("no free request slot")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+@pytree_dataclass
+class PagedKV:
+    k: Array  # [num_pages, page_size, Hkv, D]
+    v: Array
+
+
+@pytree_dataclass
+class GDNSlots:
+    conv: Array  # [num_slots, Kc-1+K, C]
+    ssm: Array  # [num_slots, 1+K, Hv, dk, dv] fp32
+
+
+@pytree_dataclass
+class EngineState:
+    layers: tuple  # per trunk layer: PagedKV or GDNSlots
+    mtp_layers: tuple  # PagedKV per MTP layer (empty without MTP)
+    last_sampled: Array  # [num_slots] int32
+    draft_tokens: Array  # [num_slots, K] int32
+    num_accepted: Array  # [num_slots] int32
+
+
+def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
+    layers = len(cfg.attention_layer_ids) + (cfg.mtp_num_hidden_layers if with_mtp else 0)
+    return 2 * layers * ecfg.kv_page_size * cfg.num_key_value_heads * cfg.head_dim * ecfg.jnp_dtype.itemsize
+
+
+def resolve_num_kv_pages(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
+    """num_kv_pages if set; else a fraction of free accelerator memory; else room for every slot."""
+    if ecfg.num_kv_pages is not None:
+        return ecfg.num_kv_pages
+    full = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        by_memory = int(free * ecfg.kv_memory_fraction) // max(1, kv_bytes_per_page(cfg, ecfg, with_mtp))
+        return max(2, min(full, by_memory))
+    return full
+
+
+def init_engine_state(
+    cfg: ModelConfig, ecfg: EngineConfig, num_pages: int, num_spec: int = 0, with_mtp: bool = False,
+    garbage_seed: int | None = None,
+) -> EngineState:
+    """Allocate the device pools. garbage_seed fills every buffer with random garbage (slot-hygiene tests)."""
+    dt = ecfg.jnp_dtype
+    S, K = ecfg.num_slots, num_spec
+
+    def paged():
+        shape = (num_pages, ecfg.kv_page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return PagedKV(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+
+    def gdn():
+        return GDNSlots(
+            conv=jnp.zeros((S, cfg.linear_conv_kernel_dim - 1 + K, cfg.conv_dim), dt),
+            ssm=jnp.zeros((S, 1 + K, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32),
+        )
+
+    state = EngineState(
+        layers=tuple(paged() if t == FULL_ATTENTION else gdn() for t in cfg.layer_types),
+        mtp_layers=tuple(paged() for _ in range(cfg.mtp_num_hidden_layers if with_mtp else 0)),
+        last_sampled=jnp.zeros((S,), jnp.int32),
+        draft_tokens=jnp.zeros((S, K), jnp.int32),
+        num_accepted=jnp.ones((S,), jnp.int32),
+    )
+    if garbage_seed is None:
+        return state
+    rng = np.random.default_rng(garbage_seed)
+    leaves, treedef = jax.tree.flatten(state)
+    noisy = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            noisy.append(jnp.asarray(rng.integers(-5, 1000, x.shape), x.dtype))
+        else:
+            noisy.append(jnp.asarray(rng.standard_normal(x.shape) * 3.0, x.dtype))
+    return jax.tree.unflatten(treedef, noisy)
+
+
+__all__ = ["EngineState", "GDNSlots", "PagedKV", "PageAllocator", "SlotAllocator", "init_engine_state"]

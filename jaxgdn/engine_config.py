@@ -1,0 +1,63 @@
+"""Engine configuration (names follow vLLM's engine arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches, caches and compiles.
+
+    max_num_seqs: running requests at once (= persistent request slots; slot 0 is the null slot).
+    max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
+    max_model_len: longest sequence (prompt + output) a request may reach.
+    kv_page_size / num_kv_pages: the paged KV pool; num_kv_pages None = kv_memory_fraction of the
+      accelerator's free memory when it reports it, else enough for every slot at max_model_len.
+    enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
+    dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
+    gdn_impl: GDN recurrence implementation for prefill chunks ("chunked", "scan" or a kernel).
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    kv_page_size: int = 16
+    num_kv_pages: int | None = None
+    kv_memory_fraction: float = 0.5
+    enforce_eager: bool = False
+    dtype: str = "bfloat16"
+    gdn_impl: str = "chunked"
+
+    def __post_init__(self):
+        checks = [
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.kv_page_size >= 1, "kv_page_size must be >= 1"),
+            (self.num_kv_pages is None or self.num_kv_pages >= 2, "num_kv_pages must be >= 2 (page 0 is the null page)"),
+            (0 < self.kv_memory_fraction <= 1, "kv_memory_fraction must be in (0, 1]"),
+            (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig: {msg}")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.kv_page_size)
+
+    @property
+    def num_slots(self) -> int:
+        """Persistent request slots including the null slot 0."""
+        return self.max_num_seqs + 1
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

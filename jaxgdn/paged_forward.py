@@ -1,0 +1,128 @@
+"""The model over one ragged engine step: rows read and write the paged KV pools and the GDN slots.
+
+A step's flat token stream is viewed as [R, Q] (row, offset in the row's query window; `token_index`
+maps each cell to its flat token or -1). Each row's attention reads a contiguous view of its KV pages
+and each GDN row starts from its own slot's committed state, so the dense layer functions of the model
+run unchanged on the view. Padded cells are no-ops: their KV writes go to the null page, their GDN
+steps neither decay nor write, and their slots are the null slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .attention import gqa_attention, project_qkv_gate
+from .cache import EngineState, GDNSlots, PagedKV
+from .config import FULL_ATTENTION, ModelConfig
+from .gdn import gdn_layer
+from .mlp import linear
+from .model import residual_block
+from .norms import rms_norm_1p
+from .params import ModelParams
+from .pytree import pytree_dataclass
+from .state import GDNState
+
+Array = Any
+
+
+@pytree_dataclass
+class RowView:
+    """Per-step metadata of the [R, Q] view (device arrays; shapes are the jit bucket)."""
+
+    token_index: Array  # [R, Q] flat token index of each cell, -1 for padding
+    positions: Array  # [R, Q] absolute positions (0 for padding)
+    kv_slots: Array  # [R, Q] flat KV pool slot (page * page_size + offset) each cell writes; null page for padding
+    block_tables: Array  # [R, MP] page ids of each row (0 = null page beyond the allocation)
+    seq_lens: Array  # [R] tokens of the sequence after this step
+    idx_mapping: Array  # [R] persistent request slot (0 = null slot)
+    fresh: Array  # [R] bool: the row starts from an empty state (first chunk of a (re)computation)
+
+    @property
+    def valid(self):
+        return self.token_index >= 0
+
+    @property
+    def num_valid(self):
+        return jnp.sum(self.valid, axis=1).astype(jnp.int32)
+
+
+def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
+    """Gated attention for [R, Q] rows: write this step's K/V into the pool, attend over each row's pages."""
+    R, Q, _ = h.shape
+    q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
+    P, ps, Hkv, D = kv.k.shape
+    flat = lambda pool: pool.reshape(P * ps, Hkv, D)  # noqa: E731
+    slots = view.kv_slots.reshape(-1)
+    k_pool = flat(kv.k).at[slots].set(k.reshape(-1, Hkv, D).astype(kv.k.dtype)).reshape(P, ps, Hkv, D)
+    v_pool = flat(kv.v).at[slots].set(v.reshape(-1, Hkv, D).astype(kv.v.dtype)).reshape(P, ps, Hkv, D)
+    MP = view.block_tables.shape[1]
+    k_view = k_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
+    v_view = v_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
+    k_pos = jnp.broadcast_to(jnp.arange(MP * ps, dtype=jnp.int32), (R, MP * ps))
+    k_valid = k_pos < view.seq_lens[:, None]
+    # Unwritten pages may hold anything (even NaN): zero them so masked probabilities stay exact zeros.
+    v_view = jnp.where(k_valid[..., None, None], v_view, 0).astype(h.dtype)
+    k_view = jnp.where(k_valid[..., None, None], k_view, 0).astype(h.dtype)
+    attn = gqa_attention(q, k_view, v_view, view.positions, k_pos, k_valid)
+    o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
+    return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+
+
+def read_gdn_state(slots: GDNSlots, view: RowView, num_accepted, kc: int) -> GDNState:
+    """Each row's committed state: checkpoint num_accepted-1 and the conv window at that offset; zeros
+    for fresh rows, so whatever a slot held before admission never leaks in."""
+    idx = view.idx_mapping
+    offset = num_accepted[idx] - 1  # [R] in [0, K]
+    ssm = jax.vmap(lambda s, o: s[o])(slots.ssm[idx], offset)
+    conv = jax.vmap(lambda c, o: jax.lax.dynamic_slice_in_dim(c, o, kc - 1, axis=0))(slots.conv[idx], offset)
+    fresh = view.fresh
+    return GDNState(
+        conv=jnp.where(fresh[:, None, None], 0, conv),
+        ssm=jnp.where(fresh[:, None, None, None], 0, ssm),
+    )
+
+
+def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState) -> GDNSlots:
+    """Commit each row's final state to checkpoint 0 and its window to conv offset 0."""
+    idx = view.idx_mapping
+    kc1 = new.conv.shape[1]
+    conv = slots.conv.at[idx, :kc1].set(new.conv.astype(slots.conv.dtype))
+    ssm = slots.ssm.at[idx, 0].set(new.ssm.astype(slots.ssm.dtype))
+    return GDNSlots(conv=conv, ssm=ssm)
+
+
+def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str):
+    """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, new EngineState)."""
+    T = input_ids.shape[0]
+    valid = view.valid
+    cell = jnp.clip(view.token_index, 0, T - 1)
+    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)][cell]  # [R, Q, H]
+    num_valid = view.num_valid
+    new_layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        p = params.layers[i]
+        layer_state = state.layers[i]
+        if layer_type == FULL_ATTENTION:
+            mixer = lambda h, p=p, s=layer_state: paged_attention(p.mixer, cfg, h, view, s)  # noqa: E731
+        else:
+
+            def mixer(h, p=p, s=layer_state):
+                start = read_gdn_state(s, view, state.num_accepted, cfg.linear_conv_kernel_dim)
+                out, new = gdn_layer(p.mixer, cfg, h, start, impl=gdn_impl, num_valid=num_valid)
+                return out, write_gdn_state(s, view, new)
+
+        x, new_state = residual_block(p, cfg, x, mixer)
+        new_layers.append(new_state)
+    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    flat_index = jnp.where(valid, view.token_index, T)
+    hidden_flat = jnp.zeros((T, hidden.shape[-1]), hidden.dtype).at[flat_index].set(hidden, mode="drop")
+    return hidden_flat, EngineState(
+        layers=tuple(new_layers),
+        mtp_layers=state.mtp_layers,
+        last_sampled=state.last_sampled,
+        draft_tokens=state.draft_tokens,
+        num_accepted=state.num_accepted,
+    )

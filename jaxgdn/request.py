@@ -1,0 +1,109 @@
+"""Requests, sampling parameters, row kinds and outputs (names follow vLLM)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class RowKind(enum.IntEnum):
+    """What one request's slice of a step is. Computed once, on the host, from request state; the same
+    value drives input assembly, the GDN state path, the logits rows and the sampler."""
+
+    PAD = 0  # a padding row of a bucket: null slot, no logits used
+    PREFILL_CHUNK = 1  # prompt (or recompute) tokens, more than one left before this chunk
+    PROMPT_TAIL = 2  # exactly the last prompt token (a PD handoff's x_N, or a 1-token final chunk)
+    DECODE = 3  # one token: the last sampled
+    SPEC_VERIFY = 4  # the last sampled token followed by K drafts
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
+    seed: base of the position-keyed randomness (None: derived from the request id)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclasses.dataclass
+class Request:
+    """Host-side request state. `num_computed` tokens of `all_token_ids` are in the caches."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    metrics: RequestMetrics
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    # Tokens the current (re)computation must prefill: the prompt, or prompt + outputs after preemption.
+    prefill_len: int = 0
+    slot: int = 0  # persistent request slot (0 = none; slot 0 is the null slot)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        self.prefill_len = len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop", "length", "error"
+    error: str | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    num_preemptions: int = 0
