@@ -114,8 +114,10 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         temperature[lo:hi] = sp.temperature
         top_k[lo:hi] = sp.top_k
         top_p[lo:hi] = sp.top_p
-        seeds[lo:hi] = (sp.seed if sp.seed is not None else req.request_id) & 0xFFFFFFFF
-        request_ids[lo:hi] = req.request_id & 0xFFFFFFFF
+        # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
+        # under any request id; unseeded requests are keyed by their request id instead.
+        seeds[lo:hi] = (sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF
+        request_ids[lo:hi] = 0 if sp.seed is not None else (req.request_id + 1) & 0xFFFFFFFF
         t += n
     qsl[n_rows + 1 :] = t
     cu[n_rows + 1 :] = cu[n_rows]

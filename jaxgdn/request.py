@@ -27,7 +27,8 @@ class RequestStatus(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
-    seed: base of the position-keyed randomness (None: derived from the request id)."""
+    seed: the noise is keyed by (seed, position), so a seeded request reproduces in any batch; None keys
+    it by (request id, position) instead."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,0 +1,77 @@
+"""Sampling: filters, position-keyed randomness independent of batch mates, LLM facade and tokenizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import small_config
+from jaxgdn import LLM, EngineConfig, SamplingParams
+from jaxgdn.checkpoint import save_checkpoint
+from jaxgdn.params import init_random_params
+from jaxgdn.sampling import filtered_log_probs, position_keys, sample_tokens
+
+CFG = small_config(eos_token_ids=())
+
+
+def test_filters_keep_exactly_the_intended_tokens():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 3, jnp.float32))
+    logp = filtered_log_probs(logits, jnp.ones(3), jnp.asarray([2, 0, 0]), jnp.asarray([1.0, 0.7, 0.81]))
+    kept = np.isfinite(np.asarray(logp))
+    assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, True, False]]
+    np.testing.assert_allclose(np.exp(np.asarray(logp[0, :2])), [0.625, 0.375], rtol=1e-6)
+
+
+def test_sampling_matches_the_distribution():
+    """20k draws with distinct position keys follow softmax(logits / T)."""
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]], jnp.float32)
+    n = 20000
+    keys = position_keys(jnp.full(n, 3, jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
+    toks = sample_tokens(jnp.repeat(logits, n, 0), jnp.full(n, 2.0), jnp.zeros(n, jnp.int32), jnp.ones(n), keys)
+    freq = np.bincount(np.asarray(toks), minlength=4) / n
+    expected = np.asarray(jax.nn.softmax(logits[0] / 2.0))
+    assert np.abs(freq - expected).max() < 0.015
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ck") / "tiny"
+    save_checkpoint(path, CFG, init_random_params(CFG, seed=31))
+    return path
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(checkpoint):
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=128, kv_page_size=8, dtype="float32")
+    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=12, seed=1234)
+    alone = LLM(str(checkpoint), cfg).generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    others = [[9] * 40, [1, 2], [100, 101, 102, 103, 104]]
+    crowd = LLM(str(checkpoint), cfg).generate(others[:2] + [[5, 6, 7]] + others[2:], sp, use_tqdm=False)
+    assert crowd[2].token_ids == alone
+    greedy = LLM(str(checkpoint), cfg).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert alone != greedy[0].token_ids  # the sampler really samples
+    top1 = LLM(str(checkpoint), cfg).generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_k=1, max_tokens=12, seed=9), use_tqdm=False)
+    assert top1[0].token_ids == greedy[0].token_ids
+
+
+def test_text_prompts_need_a_tokenizer(checkpoint):
+    llm = LLM(str(checkpoint), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32"))
+    outs = llm.generate(["hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert outs[0].finish_reason == "error" and "no tokenizer" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 3 and outs[1].ttft is not None
+
+
+def test_tokenizer_json_gives_text(checkpoint, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(CFG.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    ck = tmp_path / "with_tok"
+    import shutil
+
+    shutil.copytree(checkpoint, ck)
+    tok.save(str(ck / "tokenizer.json"))
+    llm = LLM(str(ck), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32"))
+    text_out, ids_out = llm.generate(["w5 w6 w7", [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert text_out.token_ids == ids_out.token_ids
+    assert text_out.text == " ".join(f"w{t}" for t in ids_out.token_ids)
