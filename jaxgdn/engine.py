@@ -10,6 +10,7 @@ import itertools
 import time
 from typing import Callable, Iterable
 
+import jax
 import numpy as np
 
 from .cache import init_engine_state, resolve_num_kv_pages
@@ -17,24 +18,33 @@ from .config import ModelConfig
 from .engine_config import EngineConfig
 from .input_batch import build_step
 from .params import ModelParams
-from .request import Request, RequestMetrics, RequestOutput, RequestStatus, SamplingParams
+from .pd import export_handoff, import_handoff
+from .request import Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 
 
 class LLMEngine:
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *, input_impl: str = "xla",
-                 garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None):
+                 garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None):
         self.cfg, self.ecfg = cfg, ecfg
-        num_pages = resolve_num_kv_pages(cfg, ecfg, with_mtp=False)
+        self.K = ecfg.num_speculative_tokens
+        if self.K and params.mtp is None:
+            raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head (mtp.* tensors)")
+        with_mtp = params.mtp is not None and self.K > 0
+        num_pages = resolve_num_kv_pages(cfg, ecfg, with_mtp=with_mtp)
         if num_pages - 1 < ecfg.max_pages_per_seq:
             raise ValueError(
                 f"EngineConfig: {num_pages - 1} usable KV pages cannot hold one sequence of max_model_len "
                 f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
             )
         self.scheduler = Scheduler(ecfg, num_pages)
-        state = init_engine_state(cfg, ecfg, num_pages, garbage_seed=garbage_seed)
-        self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, input_impl=input_impl)
+        state = init_engine_state(cfg, ecfg, num_pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage_seed)
+        if device is not None:
+            params, state = jax.device_put((params, state), device)
+        self.device = device
+        self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, input_impl=input_impl,
+                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -43,6 +53,15 @@ class LLMEngine:
         # Every token fed to the model, per request: (position, token id). Tests check prompt fidelity.
         self.record_inputs = False
         self.fed_tokens: dict[int, list[tuple[int, int]]] = {}
+        # Speculative decoding counters, per draft position.
+        self.drafted_per_position = np.zeros(max(self.K, 1), np.int64)
+        self.accepted_per_position = np.zeros(max(self.K, 1), np.int64)
+        self.num_verify_rows = 0
+        # PD: handoffs this engine exported (prefill worker) and the bytes it imported (decode worker).
+        self.handoffs_out: list = []
+        self.handoff_bytes_in = 0
+        # Test hook: replace the MTP drafts of a request before they are verified (adversarial drafts).
+        self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -53,7 +72,7 @@ class LLMEngine:
         rid = next(self._ids)
         req = Request(rid, list(prompt_token_ids), params, RequestMetrics(arrival_time=time.perf_counter()))
         self.requests[rid] = req
-        error = error or self._validate(req)
+        error = error or self.validate(req.prompt_token_ids, params)
         if error:
             req.error = error
             req.status = RequestStatus.FINISHED
@@ -62,8 +81,8 @@ class LLMEngine:
             self.scheduler.add(req)
         return rid
 
-    def _validate(self, req: Request) -> str | None:
-        ids = req.prompt_token_ids
+    def validate(self, ids: list[int], params: SamplingParams) -> str | None:
+        """The error message for a bad request, or None."""
         if not ids:
             return "empty prompt"
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.cfg.vocab_size)]
@@ -72,10 +91,28 @@ class LLMEngine:
         if len(ids) >= self.ecfg.max_model_len:
             return f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.ecfg.max_model_len}"
         try:
-            req.sampling_params.validate()
+            params.validate()
         except ValueError as e:
             return str(e)
         return None
+
+    def add_prefill_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        """PD prefill worker: compute prompt[:-1] and export a Handoff (in `handoffs_out`)."""
+        rid = self.add_request(list(prompt_token_ids[:-1]), params)
+        req = self.requests[rid]
+        req.prefill_only = True
+        req.next_prompt_token = int(prompt_token_ids[-1])
+        return rid
+
+    def add_handoff(self, handoff) -> int:
+        """PD decode worker: queue a request whose first num_computed tokens arrive as state."""
+        rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params)
+        req = self.requests[rid]
+        if req.error is None and handoff.num_computed:
+            req.num_computed = handoff.num_computed
+            req.handoff = handoff
+            self.handoff_bytes_in += handoff.nbytes
+        return rid
 
     @property
     def has_unfinished(self) -> bool:
@@ -89,9 +126,14 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
             return out
         for row in out.rows:
-            self.slot_prefill_len[row.request.slot] = row.request.prefill_len
+            req = row.request
+            self.slot_prefill_len[req.slot] = req.prefill_len
+            if req.handoff is not None:  # admitted this step: its state goes into the fresh slot/pages
+                self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
+                                                   self.device)
+                req.handoff = None
         arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len)
-        row_tokens, ids = self.runner.run(arrays)
+        res = self.runner.run(arrays)
         self.num_steps += 1
         now = time.perf_counter()
         t = 0
@@ -99,12 +141,48 @@ class LLMEngine:
             req = row.request
             if self.record_inputs:
                 fed = self.fed_tokens.setdefault(req.request_id, [])
-                fed += [(req.num_computed + i, int(ids[t + i])) for i in range(row.num_tokens)]
+                fed += [(req.num_computed + i, int(res.input_ids[t + i])) for i in range(row.num_tokens)]
             t += row.num_tokens
-            req.num_computed += row.num_tokens
+            n_draft = len(row.spec_tokens)
+            n_sampled = int(res.num_sampled[b])
+            num_rejected = n_draft - (n_sampled - 1) if row.samples else 0
+            req.num_computed += row.num_tokens - num_rejected
+            if row.kind == RowKind.SPEC_VERIFY:
+                self._count_acceptance(req, n_draft, n_sampled - 1)
             if row.samples:
-                self._append_token(req, int(row_tokens[b]), now)
+                for token in res.tokens[b, :n_sampled]:
+                    self._append_token(req, int(token), now)
+                    if req.status is RequestStatus.FINISHED:
+                        break
+                if req.status is RequestStatus.RUNNING and self.K:
+                    drafts = [int(d) for d in res.drafts[b]]
+                    req.spec_token_ids = self.draft_override(req, drafts) if self.draft_override else drafts
+                    if self.draft_override:
+                        self.runner.set_drafts(req.slot, req.spec_token_ids)
+            elif req.prefill_only and req.num_computed == req.prefill_len:
+                self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
+                                                        req.prompt_token_ids + [req.next_prompt_token]))
+                self.scheduler.finish(req, "handoff")
         return out
+
+    def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:
+        self.num_verify_rows += 1
+        self.drafted_per_position[:n_draft] += 1
+        self.accepted_per_position[:n_accepted] += 1
+        req.metrics.num_drafted += n_draft
+        req.metrics.num_accepted_drafts += n_accepted
+
+    def spec_metrics(self) -> dict:
+        """Drafted/accepted counts, acceptance rate per draft position, mean acceptance length."""
+        drafted, accepted = int(self.drafted_per_position.sum()), int(self.accepted_per_position.sum())
+        rate = [float(a / d) if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return {
+            "num_drafted": drafted, "num_accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_rate_per_position": rate[: self.K],
+            # tokens produced per verify step: 1 (correction or bonus) + accepted drafts
+            "mean_acceptance_length": 1 + accepted / self.num_verify_rows if self.num_verify_rows else None,
+        }
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)
@@ -130,6 +208,7 @@ class LLMEngine:
             request_id=rid, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
             text=text, finish_reason=req.finish_reason, error=req.error, ttft=req.metrics.ttft,
             tpot=req.metrics.tpot(len(req.output_token_ids)), num_preemptions=req.metrics.num_preemptions,
+            num_drafted=req.metrics.num_drafted, num_accepted_drafts=req.metrics.num_accepted_drafts,
         )
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:

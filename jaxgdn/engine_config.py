@@ -20,6 +20,13 @@ class EngineConfig:
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
     gdn_impl: GDN recurrence implementation for prefill chunks ("chunked", "scan" or a kernel).
+    num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
+    pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
+    pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
+      running and no prefill is scheduled (vLLM #45237), keeping steps uniform.
+    reproduce_pd_mtp_bug: restore vLLM's pre-#47466 behaviour (unguarded last_sampled overwrite and the
+      old spec-row rule num_computed >= num_prompt). For demonstrations and tests only.
+    prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
     """
 
     max_num_seqs: int = 16
@@ -31,6 +38,12 @@ class EngineConfig:
     enforce_eager: bool = False
     dtype: str = "bfloat16"
     gdn_impl: str = "chunked"
+    num_speculative_tokens: int = 0
+    pd: bool = False
+    pad_prompt_tail: bool = True
+    reproduce_pd_mtp_bug: bool = False
+    prefill_device: int | None = None
+    decode_device: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -41,6 +54,7 @@ class EngineConfig:
             (self.num_kv_pages is None or self.num_kv_pages >= 2, "num_kv_pages must be >= 2 (page 0 is the null page)"),
             (0 < self.kv_memory_fraction <= 1, "kv_memory_fraction must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
+            (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn import gated_delta_rule
+from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints
 
 from .config import ModelConfig
 from .mlp import linear
@@ -14,12 +14,12 @@ from .state import GDNState, empty_gdn_state
 
 
 def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
-    """Depthwise causal conv + SiLU over [window ‖ mixed].
+    """Depthwise causal conv + SiLU over full = [window ‖ mixed].
 
     mixed: [B, T, C] new pre-conv inputs; window: [B, Kc-1, C] previous inputs (oldest first);
     conv_weight: [C, 1, Kc] with tap Kc-1 on the current token; num_valid: optional [B] count of real
     tokens per row (the rest is right padding).
-    Returns (out [B, T, C] in mixed.dtype, new window [B, Kc-1, C] = the last Kc-1 real inputs).
+    Returns (out [B, T, C] in mixed.dtype, new window [B, Kc-1, C] = the last Kc-1 real inputs, full).
     """
     T = mixed.shape[1]
     Kc = conv_weight.shape[-1]
@@ -31,7 +31,7 @@ def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
     else:
         take = lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, Kc - 1, axis=0)  # noqa: E731
         new_window = jax.vmap(take)(full, num_valid)
-    return jax.nn.silu(acc).astype(mixed.dtype), new_window
+    return jax.nn.silu(acc).astype(mixed.dtype), new_window, full
 
 
 def gdn_gates(p, a, b):
@@ -41,12 +41,17 @@ def gdn_gates(p, a, b):
     return g, beta
 
 
-def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked", num_valid=None):
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked", num_valid=None,
+              spec_window: int = 0):
     """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros);
     num_valid: optional [B] real tokens per row. Padded steps get g = 0 and beta = 0, so they neither
     decay nor write the state: padding is a no-op.
 
-    Returns (out [B, T, H], new GDNState).
+    spec_window = K > 0 also returns verification checkpoints for the first 1+K positions of each row:
+    a GDNState with conv [B, Kc-1+K, C] = inputs 1 .. Kc-1+K of [window ‖ x] (the window after
+    accepting a tokens is conv[a-1 : a-1+Kc-1]) and ssm [B, 1+K, Hv, dk, dv] (state after each position).
+
+    Returns (out [B, T, H], new GDNState) or, with spec_window, (out, new GDNState, checkpoints).
     """
     B, T, _ = x.shape
     Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -59,10 +64,17 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunk
     if num_valid is not None:
         valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
         g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-    u, conv = causal_conv_silu(mixed, state.conv, p.conv1d, num_valid)
+    u, conv, full = causal_conv_silu(mixed, state.conv, p.conv1d, num_valid)
     q = u[..., :Kd].reshape(B, T, Hk, dk)
     k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
     v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)
     o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl)
     y = gated_rms_norm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, x.dtype)
-    return linear(y.reshape(B, T, Hv * dv), p.out_proj), GDNState(conv=conv, ssm=ssm)
+    out = linear(y.reshape(B, T, Hv * dv), p.out_proj)
+    if not spec_window:
+        return out, GDNState(conv=conv, ssm=ssm)
+    W = spec_window + 1  # the caller guarantees T >= 1 + K
+    head = lambda a: a[:, :W]  # noqa: E731
+    _, _, states = gdn_recurrent_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm)
+    checkpoints = GDNState(conv=full[:, 1 : cfg.linear_conv_kernel_dim + spec_window], ssm=states)
+    return out, GDNState(conv=conv, ssm=ssm), checkpoints

@@ -15,7 +15,7 @@ import numpy as np
 from .cache import NULL_PAGE
 from .engine_config import EngineConfig
 from .request import RowKind
-from .scheduler import ScheduledRow
+from .scheduler import ScheduledRow, runs_verify_path
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -40,21 +40,25 @@ class StepArrays:
     kv_slots: np.ndarray  # [R, Q]
     block_tables: np.ndarray  # [R, MP]
     fresh: np.ndarray  # [R] bool
+    verify_path: np.ndarray  # [R] bool: GDN writes per-position checkpoints
+    pad_tail: np.ndarray  # [R] bool: a prompt tail padded with -1 placeholder drafts
+    next_token: np.ndarray  # [R] the token after a non-sampling chunk (for the MTP's last cell)
     samples: np.ndarray  # [R] bool
     row_kind: np.ndarray  # [R] int32 RowKind
-    temperature: np.ndarray  # [L]
-    top_k: np.ndarray  # [L]
-    top_p: np.ndarray  # [L]
-    seeds: np.ndarray  # [L] uint32
-    request_ids: np.ndarray  # [L] uint32
+    temperature: np.ndarray  # [R] sampling parameters per row
+    top_k: np.ndarray  # [R]
+    top_p: np.ndarray  # [R]
+    seeds: np.ndarray  # [R] uint32
+    request_ids: np.ndarray  # [R] uint32
 
     @property
     def shape_key(self) -> tuple[int, int, int]:
         return (self.input_ids.shape[0], self.idx_mapping.shape[0], self.token_index.shape[1])
 
 
-def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray, num_spec: int = 0) -> StepArrays:
+def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray) -> StepArrays:
     """Flatten scheduled rows into padded arrays. slot_prefill_len: [S] per-slot prompt lengths."""
+    num_spec = ecfg.num_speculative_tokens
     n_rows = len(rows)
     n_tokens = sum(r.num_tokens for r in rows)
     max_q = max((r.num_tokens for r in rows), default=1)
@@ -64,7 +68,9 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         T = bucket(n_tokens, 8)
         R = bucket(n_rows)
         Q = min(bucket(max_q), T)
-    L = R * (1 + num_spec)
+    if num_spec:  # verification checkpoints read the first 1+K cells of every row
+        Q = max(Q, 1 + num_spec)
+        T = max(T, Q)
     MP, ps = ecfg.max_pages_per_seq, ecfg.kv_page_size
 
     input_ids = np.zeros(T, np.int32)
@@ -78,13 +84,16 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
     kv_slots = np.tile(np.arange(Q, dtype=np.int32) % ps + NULL_PAGE * ps, (R, 1))
     block_tables = np.full((R, MP), NULL_PAGE, np.int32)
     fresh = np.zeros(R, bool)
+    verify_path = np.zeros(R, bool)
+    pad_tail = np.zeros(R, bool)
+    next_token = np.zeros(R, np.int32)
     samples = np.zeros(R, bool)
     kinds = np.full(R, int(RowKind.PAD), np.int32)
-    temperature = np.zeros(L, np.float32)
-    top_k = np.zeros(L, np.int32)
-    top_p = np.ones(L, np.float32)
-    seeds = np.zeros(L, np.uint32)
-    request_ids = np.zeros(L, np.uint32)
+    temperature = np.zeros(R, np.float32)
+    top_k = np.zeros(R, np.int32)
+    top_p = np.ones(R, np.float32)
+    seeds = np.zeros(R, np.uint32)
+    request_ids = np.zeros(R, np.uint32)
 
     t = 0
     for b, row in enumerate(rows):
@@ -107,23 +116,25 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         block_tables[b, : len(pages)] = pages
         kv_slots[b, :n] = pages[pos // ps] * ps + pos % ps
         fresh[b] = start == 0
+        verify_path[b] = runs_verify_path(row, ecfg.reproduce_pd_mtp_bug)
+        pad_tail[b] = row.padded_tail
+        end = start + n
+        next_token[b] = tokens[end] if end < len(tokens) else (req.next_prompt_token or 0)
         samples[b] = row.samples
         kinds[b] = int(row.kind)
         sp = req.sampling_params
-        lo, hi = cu[b], cu[b + 1]
-        temperature[lo:hi] = sp.temperature
-        top_k[lo:hi] = sp.top_k
-        top_p[lo:hi] = sp.top_p
+        temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
         # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
         # under any request id; unseeded requests are keyed by their request id instead.
-        seeds[lo:hi] = (sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF
-        request_ids[lo:hi] = 0 if sp.seed is not None else (req.request_id + 1) & 0xFFFFFFFF
+        seeds[b] = (sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF
+        request_ids[b] = 0 if sp.seed is not None else (req.request_id + 1) & 0xFFFFFFFF
         t += n
     qsl[n_rows + 1 :] = t
     cu[n_rows + 1 :] = cu[n_rows]
     return StepArrays(
         input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_lens=seq_lens, idx_mapping=idx,
         cu_num_logits=cu, prefill_len=slot_prefill_len.astype(np.int32), token_index=token_index,
-        row_positions=row_pos, kv_slots=kv_slots, block_tables=block_tables, fresh=fresh, samples=samples,
+        row_positions=row_pos, kv_slots=kv_slots, block_tables=block_tables, fresh=fresh, verify_path=verify_path,
+        pad_tail=pad_tail, next_token=next_token, samples=samples,
         row_kind=kinds, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, request_ids=request_ids,
     )

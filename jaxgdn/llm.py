@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
@@ -13,6 +14,7 @@ from .config import PRESETS
 from .engine import LLMEngine
 from .engine_config import EngineConfig
 from .params import init_random_params
+from .pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
 from .request import RequestOutput, SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -21,10 +23,12 @@ Prompt = str | Sequence[int]
 
 class LLM:
     """model: a checkpoint directory, or a preset name (random weights, for benchmarks) such as
-    "qwen3.5-0.8b". config: EngineConfig. input_impl: input-assembly kernel ("xla", "pallas", "triton")."""
+    "qwen3.5-0.8b". config: EngineConfig (pd=True serves through a PrefillWorker and a DecodeWorker).
+    input_impl: input-assembly kernel ("xla", "pallas", "triton"). handoff_transport "bytes" sends every
+    PD handoff through to_bytes()/from_bytes() as a process boundary would."""
 
     def __init__(self, model: str | Path, config: EngineConfig | None = None, *, input_impl: str = "xla",
-                 garbage_seed: int | None = None):
+                 garbage_seed: int | None = None, handoff_transport: str = "object"):
         self.config = config or EngineConfig()
         dtype = jnp.dtype(self.config.dtype)
         if str(model) in PRESETS:
@@ -35,8 +39,19 @@ class LLM:
             self.model_config, params = load_checkpoint(model, dtype=dtype)
             self.tokenizer = load_tokenizer(model)
         decode = self.tokenizer.decode if self.tokenizer else None
-        self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
-                                garbage_seed=garbage_seed, decode=decode)
+        self.handoff_transport = handoff_transport
+        if self.config.pd:
+            devices = jax.devices()
+            pick = lambda i: devices[i % len(devices)] if i is not None else None  # noqa: E731
+            self.prefill_worker = PrefillWorker(params, self.model_config, self.config, input_impl=input_impl,
+                                                garbage_seed=garbage_seed, device=pick(self.config.prefill_device))
+            self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
+                                       garbage_seed=None if garbage_seed is None else garbage_seed + 1,
+                                       decode=decode, device=pick(self.config.decode_device))
+        else:
+            self.prefill_worker = None
+            self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
+                                    garbage_seed=garbage_seed, decode=decode)
 
     def _encode(self, prompt: Prompt) -> list[int] | str:
         """Token ids, or an error message for a text prompt without a tokenizer."""
@@ -55,22 +70,38 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        rids = []
-        for prompt, sp in zip(prompts, params):
-            ids = self._encode(prompt)
-            if isinstance(ids, str):
-                rids.append(self.engine.add_request([], sp, error=ids))
-            else:
-                rids.append(self.engine.add_request(ids, sp))
-        bar = tqdm(total=len(rids), desc="generate", unit="req", disable=not use_tqdm)
+        params = [sp or SamplingParams() for sp in params]
+        encoded = [self._encode(p) for p in prompts]
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        rids: list[int] = []
         done = 0
 
         def progress():
             nonlocal done
-            now = sum(1 for r in rids if self.engine.requests[r].finish_reason is not None)
+            now = sum(1 for r in rids if r is not None and self.engine.requests[r].finish_reason is not None)
             bar.update(now - done)
             done = now
 
-        self.engine.run_until_done(progress)
+        errors = {i: e for i, e in enumerate(encoded) if isinstance(e, str)}
+        if self.prefill_worker is not None:
+            ok = [i for i in range(len(prompts)) if i not in errors]
+            served = run_disaggregated(self.prefill_worker, self.engine, [encoded[i] for i in ok],
+                                       [params[i] for i in ok], self.handoff_transport == "bytes", progress)
+            by_index = dict(zip(ok, served))
+            for i, e in errors.items():
+                by_index[i] = self.engine.add_request([], params[i], error=e)
+            rids = [by_index[i] for i in range(len(prompts))]
+        else:
+            for i, (ids, sp) in enumerate(zip(encoded, params)):
+                rids.append(self.engine.add_request([], sp, error=ids) if i in errors else self.engine.add_request(ids, sp))
+            self.engine.run_until_done(progress)
+        progress()
         bar.close()
         return self.engine.outputs(rids)
+
+    def metrics(self) -> dict:
+        """Speculative decoding counters and PD handoff bytes of everything served so far."""
+        m = self.engine.spec_metrics()
+        m["handoff_bytes"] = self.engine.handoff_bytes_in
+        m["num_steps"] = self.engine.num_steps
+        return m

@@ -16,18 +16,12 @@ from .params import ModelParams
 from .state import ModelCache
 
 
-def mtp_forward(params: ModelParams, cfg: ModelConfig, hidden, next_ids, cache: ModelCache | None = None):
-    """hidden: [B, T, H] trunk hidden (after the final norm); next_ids: [B, T] the token after each hidden.
-
-    Returns (logits [B, T, V], mtp_hidden [B, T, H] after mtp.norm (the input for chained drafts),
-    new MTP cache or None).
-    """
+def mtp_fc_input(params: ModelParams, cfg: ModelConfig, hidden, next_ids):
+    """fc([RMS1p(E[next_ids]) ‖ RMS1p(hidden)]): hidden [..., H], next_ids [...] -> [..., H]."""
     mtp = params.mtp
     if mtp is None:
         raise ValueError("this checkpoint has no MTP head (no mtp.* tensors / mtp_num_hidden_layers = 0)")
-    B, T, _ = hidden.shape
-    start, positions = step_positions(cache, B, T)
-    emb = params.embed_tokens[next_ids]
+    emb = params.embed_tokens[jnp.clip(next_ids, 0, cfg.vocab_size - 1)]
     x = jnp.concatenate(
         [
             rms_norm_1p(emb, mtp.pre_fc_norm_embedding, cfg.rms_norm_eps),
@@ -35,7 +29,19 @@ def mtp_forward(params: ModelParams, cfg: ModelConfig, hidden, next_ids, cache: 
         ],
         axis=-1,
     )
-    x = linear(x, mtp.fc)
+    return linear(x, mtp.fc)
+
+
+def mtp_forward(params: ModelParams, cfg: ModelConfig, hidden, next_ids, cache: ModelCache | None = None):
+    """hidden: [B, T, H] trunk hidden (after the final norm); next_ids: [B, T] the token after each hidden.
+
+    Returns (logits [B, T, V], mtp_hidden [B, T, H] after mtp.norm (the input for chained drafts),
+    new MTP cache or None).
+    """
+    mtp = params.mtp
+    B, T, _ = hidden.shape
+    start, positions = step_positions(cache, B, T)
+    x = mtp_fc_input(params, cfg, hidden, next_ids)
     new_layers = []
     for i, layer in enumerate(mtp.layers):
         layer_cache = None if cache is None else cache.layers[i]

@@ -20,6 +20,7 @@ from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_layer
 from .mlp import linear
 from .model import residual_block
+from .mtp import mtp_fc_input
 from .norms import rms_norm_1p
 from .params import ModelParams
 from .pytree import pytree_dataclass
@@ -39,6 +40,7 @@ class RowView:
     seq_lens: Array  # [R] tokens of the sequence after this step
     idx_mapping: Array  # [R] persistent request slot (0 = null slot)
     fresh: Array  # [R] bool: the row starts from an empty state (first chunk of a (re)computation)
+    verify_path: Array  # [R] bool: GDN state writes one checkpoint per window position (spec rows)
 
     @property
     def valid(self):
@@ -85,17 +87,24 @@ def read_gdn_state(slots: GDNSlots, view: RowView, num_accepted, kc: int) -> GDN
     )
 
 
-def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState) -> GDNSlots:
-    """Commit each row's final state to checkpoint 0 and its window to conv offset 0."""
+def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: GDNState | None) -> GDNSlots:
+    """Prefill/decode rows commit their final state to checkpoint 0 and window to conv offset 0.
+    Verify-path rows write every checkpoint (state after each window position) and the whole
+    Kc-1+K conv buffer; the next step selects with num_accepted."""
     idx = view.idx_mapping
     kc1 = new.conv.shape[1]
-    conv = slots.conv.at[idx, :kc1].set(new.conv.astype(slots.conv.dtype))
-    ssm = slots.ssm.at[idx, 0].set(new.ssm.astype(slots.ssm.dtype))
-    return GDNSlots(conv=conv, ssm=ssm)
+    final_conv = slots.conv[idx].at[:, :kc1].set(new.conv.astype(slots.conv.dtype))
+    final_ssm = slots.ssm[idx].at[:, 0].set(new.ssm.astype(slots.ssm.dtype))
+    if checkpoints is not None:
+        v = view.verify_path
+        final_conv = jnp.where(v[:, None, None], checkpoints.conv.astype(slots.conv.dtype), final_conv)
+        final_ssm = jnp.where(v[:, None, None, None, None], checkpoints.ssm.astype(slots.ssm.dtype), final_ssm)
+    return GDNSlots(conv=slots.conv.at[idx].set(final_conv), ssm=slots.ssm.at[idx].set(final_ssm))
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str):
-    """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, new EngineState)."""
+    """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
+    [R, Q, H], new EngineState)."""
     T = input_ids.shape[0]
     valid = view.valid
     cell = jnp.clip(view.token_index, 0, T - 1)
@@ -111,18 +120,32 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
 
             def mixer(h, p=p, s=layer_state):
                 start = read_gdn_state(s, view, state.num_accepted, cfg.linear_conv_kernel_dim)
-                out, new = gdn_layer(p.mixer, cfg, h, start, impl=gdn_impl, num_valid=num_valid)
-                return out, write_gdn_state(s, view, new)
+                K = s.ssm.shape[1] - 1
+                res = gdn_layer(p.mixer, cfg, h, start, impl=gdn_impl, num_valid=num_valid, spec_window=K)
+                out, new, checkpoints = res if K else (*res, None)
+                return out, write_gdn_state(s, view, new, checkpoints)
 
         x, new_state = residual_block(p, cfg, x, mixer)
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     flat_index = jnp.where(valid, view.token_index, T)
     hidden_flat = jnp.zeros((T, hidden.shape[-1]), hidden.dtype).at[flat_index].set(hidden, mode="drop")
-    return hidden_flat, EngineState(
+    return hidden_flat, hidden, EngineState(
         layers=tuple(new_layers),
         mtp_layers=state.mtp_layers,
         last_sampled=state.last_sampled,
         draft_tokens=state.draft_tokens,
         num_accepted=state.num_accepted,
     )
+
+
+def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple):
+    """The MTP head over [R, Q] cells: cell (r, j) gets the trunk hidden at its position and the token
+    after it. Writes the MTP layer's own paged KV. Returns (mtp hidden [R, Q, H] after mtp.norm, layers)."""
+    mtp = params.mtp
+    x = mtp_fc_input(params, cfg, hidden, next_ids)
+    new_layers = []
+    for layer, kv in zip(mtp.layers, mtp_layers):
+        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(layer.mixer, cfg, h, view, kv))
+        new_layers.append(kv)
+    return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

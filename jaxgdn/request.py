@@ -56,6 +56,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_drafted: int = 0
+    num_accepted_drafts: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -84,6 +86,10 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
+    prefill_only: bool = False  # a PD prefill worker's request: stop after the prompt, export a handoff
+    next_prompt_token: int | None = None  # prefill_only: the prompt token after this worker's tokens (x_N)
+    handoff: object | None = None  # a PD decode worker's request: state to import on admission
 
     def __post_init__(self):
         self.prefill_len = len(self.prompt_token_ids)
@@ -108,3 +114,5 @@ class RequestOutput:
     ttft: float | None = None
     tpot: float | None = None
     num_preemptions: int = 0
+    num_drafted: int = 0  # drafts verified for this request
+    num_accepted_drafts: int = 0

@@ -7,6 +7,7 @@ only host round trip is the sampled tokens coming back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -20,35 +21,114 @@ from .cache import EngineState
 from .config import ModelConfig
 from .input_batch import StepArrays
 from .model import logits_from_hidden
-from .paged_forward import RowView, forward_paged
+from .paged_forward import RowView, forward_paged, mtp_paged
 from .params import ModelParams
-from .sampling import position_keys, sample_tokens
+from .sampling import position_keys
+from .spec_decode import verify_drafts
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
                  input_impl: str, unguarded: bool):
-    num_logits = a["temperature"].shape[0]
+    K = state.draft_tokens.shape[1]
+    W = 1 + K
+    R = a["idx_mapping"].shape[0]
+    S = state.last_sampled.shape[0]
+    idx = a["idx_mapping"]
+    real = idx > 0
+    # Placeholder drafts of a padded prompt tail reach the device as -1 (vLLM #54137 lost them).
+    draft_tokens = state.draft_tokens.at[jnp.where(a["pad_tail"], idx, S)].set(-1, mode="drop")
+    num_logits = R * W
     ids, logits_indices = combine_sampled_and_draft_tokens(
-        a["input_ids"], a["idx_mapping"], state.last_sampled, a["query_start_loc"], a["seq_lens"], a["prefill_len"],
-        state.draft_tokens, a["cu_num_logits"], num_logits=num_logits, unguarded=unguarded, impl=input_impl,
+        a["input_ids"], idx, state.last_sampled, a["query_start_loc"], a["seq_lens"], a["prefill_len"],
+        draft_tokens, a["cu_num_logits"], num_logits=num_logits, unguarded=unguarded, impl=input_impl,
     )
     view = RowView(
         token_index=a["token_index"], positions=a["row_positions"], kv_slots=a["kv_slots"],
-        block_tables=a["block_tables"], seq_lens=a["seq_lens"], idx_mapping=a["idx_mapping"], fresh=a["fresh"],
+        block_tables=a["block_tables"], seq_lens=a["seq_lens"], idx_mapping=idx, fresh=a["fresh"],
+        verify_path=a["verify_path"],
     )
-    hidden, state = forward_paged(params, cfg, ids, view, state, gdn_impl)
-    logits = logits_from_hidden(params, hidden[logits_indices]).astype(jnp.float32)
-    # The token sampled from logits row i sits at the position after that row's input token.
-    keys = position_keys(a["seeds"], a["request_ids"], a["positions"][logits_indices] + 1)
-    sampled = sample_tokens(logits, a["temperature"], a["top_k"], a["top_p"], keys)
-    row_token = sampled[a["cu_num_logits"][:-1]]  # K = 0: one logits row per request row
-    S = state.last_sampled.shape[0]
-    real = a["idx_mapping"] > 0
-    last = state.last_sampled.at[jnp.where(a["samples"] & real, a["idx_mapping"], S)].set(row_token, mode="drop")
-    accepted = state.num_accepted.at[jnp.where(real, a["idx_mapping"], S)].set(1, mode="drop")
-    state = EngineState(layers=state.layers, mtp_layers=state.mtp_layers, last_sampled=last,
-                        draft_tokens=state.draft_tokens, num_accepted=accepted)
-    return state, row_token, ids
+    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl)
+
+    # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
+    # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
+    cu = a["cu_num_logits"]
+    n_logits = cu[1:] - cu[:-1]
+    n_draft = jnp.maximum(n_logits - 1, 0)
+    rows = jnp.clip(cu[:-1, None] + jnp.arange(W)[None, :], 0, num_logits - 1)
+    tok_at = logits_indices[rows]  # [R, W] flat token index of each logits row
+    logits = logits_from_hidden(params, hidden[tok_at]).astype(jnp.float32)  # [R, W, V]
+    T = ids.shape[0]
+    drafts = ids[jnp.clip(tok_at[:, 1:], 0, T - 1)]  # [R, K]
+    keys = position_keys(jnp.repeat(a["seeds"], W), jnp.repeat(a["request_ids"], W),
+                         (a["positions"][tok_at] + 1).reshape(-1)).reshape(R, W)
+    tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a["temperature"], a["top_k"], a["top_p"], keys)
+    samples = a["samples"] & real
+    num_sampled = jnp.where(samples, num_sampled, 0)
+    last_token = jnp.take_along_axis(tokens, jnp.maximum(num_sampled - 1, 0)[:, None], 1)[:, 0]
+    last_sampled = state.last_sampled.at[jnp.where(samples, idx, S)].set(last_token, mode="drop")
+    # Rollback is selection: the next step reads checkpoint num_accepted - 1.
+    committed = jnp.where(a["verify_path"], jnp.maximum(num_sampled, 1), 1)
+    num_accepted = state.num_accepted.at[jnp.where(real, idx, S)].set(committed, mode="drop")
+
+    new_drafts = jnp.zeros((R, K), jnp.int32)
+    mtp_layers = state.mtp_layers
+    if K and params.mtp is not None:
+        new_drafts, mtp_layers = _propose_drafts(params, cfg, a, view, ids, hidden_rq, tokens, num_sampled,
+                                                 n_draft, samples, last_token, mtp_layers, K)
+        draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
+    state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
+                        draft_tokens=draft_tokens, num_accepted=num_accepted)
+    return state, tokens, num_sampled, new_drafts, ids
+
+
+def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_sampled, n_draft, samples,
+                    last_token, mtp_layers, K):
+    """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form).
+
+    Cell (r, j) of the step gets (trunk hidden at position p_j, token at p_j + 1): the next input token
+    of the row, and for the last kept cell the token just sampled (or, for a prefill chunk, the next
+    prompt token). Rejected cells are dropped. Draft 0 comes from the last kept cell; drafts 1..K-1 chain
+    one token at a time on the MTP's own output hidden. Drafts are greedy (argmax)."""
+    R, Q = view.token_index.shape
+    T = ids.shape[0]
+    q_len = view.num_valid
+    num_rejected = jnp.where(samples, n_draft - (num_sampled - 1), 0)
+    keep = q_len - num_rejected  # cells whose token was accepted (or is a prompt token)
+    j = jnp.arange(Q)[None, :]
+    next_in_row = ids[jnp.clip(view.token_index + 1, 0, T - 1)]
+    last_next = jnp.where(samples, last_token, a["next_token"])
+    eagle_ids = jnp.where(j == keep[:, None] - 1, last_next[:, None], next_in_row)
+    kept = view.valid & (j < keep[:, None])
+    mtp_view = RowView(  # dropped cells write to the null page (flat slot 0)
+        token_index=jnp.where(kept, view.token_index, -1), positions=view.positions,
+        kv_slots=jnp.where(kept, view.kv_slots, 0),
+        block_tables=view.block_tables, seq_lens=view.seq_lens - num_rejected, idx_mapping=view.idx_mapping,
+        fresh=view.fresh, verify_path=view.verify_path,
+    )
+    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers)
+    last_cell = jnp.clip(keep - 1, 0, Q - 1)
+    h = jnp.take_along_axis(m, last_cell[:, None, None], 1)  # [R, 1, H]
+    pos = jnp.take_along_axis(view.positions, last_cell[:, None], 1)  # [R, 1]
+    draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
+    drafts = [draft]
+    ps = mtp_layers[0].k.shape[1]
+    MP = view.block_tables.shape[1]
+    for _ in range(K - 1):
+        pos = pos + 1
+        page_idx = pos // ps
+        in_range = samples[:, None] & (page_idx < MP)
+        page = jnp.take_along_axis(view.block_tables, jnp.clip(page_idx, 0, MP - 1), 1)
+        chain_view = RowView(
+            token_index=jnp.where(in_range, 0, -1), positions=pos,
+            kv_slots=jnp.where(in_range, page * ps + pos % ps, 0), block_tables=view.block_tables,
+            seq_lens=jnp.where(samples, pos[:, 0] + 1, 0), idx_mapping=view.idx_mapping,
+            fresh=view.fresh, verify_path=view.verify_path,
+        )
+        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers)
+        h = m
+        draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
+        drafts.append(draft)
+    return jnp.stack(drafts, axis=1), mtp_layers
 
 
 class ModelRunner:
@@ -66,13 +146,26 @@ class ModelRunner:
             donate_argnums=(1,),
         )
 
+    def set_drafts(self, slot: int, drafts: list[int]) -> None:
+        """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""
+        self.state = dataclasses.replace(self.state, draft_tokens=self.state.draft_tokens.at[slot].set(
+            jnp.asarray(drafts, jnp.int32)))
+
     @property
     def num_compiled_shapes(self) -> int:
         return len(self.shapes_seen)
 
-    def run(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step. Returns (sampled token per row [R], assembled input ids [T]) on the host."""
+    def run(self, arrays: StepArrays) -> "StepResult":
+        """Run one step; the results come back to the host."""
         self.shapes_seen.add(arrays.shape_key)
         device_args = {k: jnp.asarray(v) for k, v in vars(arrays).items() if k != "row_kind"}
-        self.state, row_token, ids = self._step(self.params, self.state, device_args)
-        return np.asarray(row_token), np.asarray(ids)
+        self.state, tokens, num_sampled, drafts, ids = self._step(self.params, self.state, device_args)
+        return StepResult(np.asarray(tokens), np.asarray(num_sampled), np.asarray(drafts), np.asarray(ids))
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray  # [R, 1+K] sampled tokens per row (first num_sampled valid)
+    num_sampled: np.ndarray  # [R] 0 for rows that do not sample
+    drafts: np.ndarray  # [R, K] MTP drafts for the next step
+    input_ids: np.ndarray  # [T] the assembled tokens the model consumed

@@ -27,6 +27,11 @@ class ScheduledRow:
     samples: bool  # the window reaches the end of the known tokens: its logits are sampled
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # scheduled_spec_decode_tokens
 
+    @property
+    def padded_tail(self) -> bool:
+        """A prompt tail carrying placeholder drafts (-1): they must reach the device as -1."""
+        return self.kind == RowKind.PROMPT_TAIL and bool(self.spec_tokens)
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -38,21 +43,33 @@ class SchedulerOutput:
         return sum(r.num_tokens for r in self.rows)
 
 
-def row_kind(req: Request, num_tokens: int, num_spec: int) -> RowKind:
-    """Row kind from request state: the one place this is decided."""
-    if num_spec:
-        return RowKind.SPEC_VERIFY
+def row_kind(req: Request) -> RowKind:
+    """Row kind from request state, before its drafts: the one place this is decided."""
     remaining = req.num_tokens - req.num_computed
     if remaining > 1:
         return RowKind.PREFILL_CHUNK
     if req.num_computed < req.prefill_len:
         return RowKind.PROMPT_TAIL
-    return RowKind.DECODE
+    return RowKind.SPEC_VERIFY if req.spec_token_ids else RowKind.DECODE
+
+
+def runs_verify_path(row: "ScheduledRow", reproduce_pd_mtp_bug: bool) -> bool:
+    """Whether the row's GDN state takes the verification path (a checkpoint per window position,
+    committed by num_accepted). Fixed rule (vLLM #47466): a row is spec iff it has drafts and exactly
+    one non-draft token. The pre-fix rule also required num_computed >= num_prompt, which sent a padded
+    PD prompt tail down the prefill path: its placeholders were folded into the committed state."""
+    n_spec = len(row.spec_tokens)
+    if not n_spec:
+        return False
+    if reproduce_pd_mtp_bug:
+        return row.request.num_computed >= row.request.prefill_len
+    return row.num_tokens == n_spec + 1
 
 
 class Scheduler:
     def __init__(self, ecfg: EngineConfig, num_pages: int):
         self.ecfg = ecfg
+        self.K = ecfg.num_speculative_tokens
         self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(ecfg.num_slots)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -91,18 +108,40 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed = 0
         req.prefill_len = req.num_tokens
+        req.spec_token_ids = []
+        req.handoff = None  # imported state is gone with the pages; recompute from scratch
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------------------------ scheduling
-    def _window(self, req: Request, budget: int) -> int:
-        """Tokens to schedule for req now: what remains, within the budget and max_model_len."""
-        remaining = req.num_tokens - req.num_computed
-        return max(0, min(remaining, budget, self.ecfg.max_model_len - req.num_computed))
+    def _plan(self, req: Request, budget: int, rows: list[ScheduledRow]) -> ScheduledRow | None:
+        """The row req would run now (None: nothing fits). Drafts ride on a decode; a 1-token prompt
+        tail is padded to 1+K placeholders when other requests run and no prefill is scheduled."""
+        kind = row_kind(req)
+        room = self.ecfg.max_model_len - req.num_computed  # positions left for this window
+        spec: list[int] = []
+        if kind == RowKind.SPEC_VERIFY:
+            spec = req.spec_token_ids[: max(0, min(budget, room) - 1)]
+            n = 1 + len(spec)
+            if not spec:
+                kind = RowKind.DECODE
+        elif (kind == RowKind.PROMPT_TAIL and self.K and self.ecfg.pad_prompt_tail and rows
+              and not any(r.kind == RowKind.PREFILL_CHUNK for r in rows)):
+            if budget < 1 + self.K or room < 1 + self.K:
+                return None  # vLLM prefers not scheduling to scheduling unpadded
+            spec, n = [-1] * self.K, 1 + self.K
+        else:
+            n = max(0, min(req.num_tokens - req.num_computed, budget, room))
+        if n == 0:
+            return None
+        samples = req.num_computed + n - len(spec) == req.num_tokens and not req.prefill_only
+        return ScheduledRow(req, n, kind, samples=samples, spec_tokens=spec)
 
-    @staticmethod
-    def _row(req: Request, n: int) -> ScheduledRow:
-        return ScheduledRow(req, n, row_kind(req, n, 0), samples=req.num_computed + n == req.num_tokens)
+    def _pages_for(self, row: ScheduledRow) -> int:
+        """Pages for the window plus K lookahead positions that the MTP drafts write."""
+        req = row.request
+        end = min(req.num_computed + row.num_tokens + self.K, self.ecfg.max_model_len)
+        return self.pages_needed(req, end)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.ecfg.max_num_batched_tokens
@@ -111,10 +150,10 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:  # preempted by an earlier row of this step
                 continue
-            n = self._window(req, budget)
-            if n == 0:
+            row = self._plan(req, budget, rows)
+            if row is None:
                 continue
-            need = self.pages_needed(req, req.num_computed + n)
+            need = self._pages_for(row)
             while need > self.pages.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -124,19 +163,19 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.pages += self.pages.allocate(need)
-            rows.append(self._row(req, n))
-            budget -= n
+            rows.append(row)
+            budget -= row.num_tokens
         while self.waiting and budget > 0 and self.slots.num_free:
             req = self.waiting[0]
-            n = self._window(req, budget)
-            need = self.pages_needed(req, req.num_computed + n)
-            if n == 0 or need > self.pages.num_free:
+            row = self._plan(req, budget, rows)
+            if row is None or self._pages_for(row) > self.pages.num_free:
                 break  # FCFS: later requests wait behind the head
+            need = self._pages_for(row)
             self.waiting.popleft()
             req.slot = self.slots.allocate()
             req.pages = self.pages.allocate(need)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(self._row(req, n))
-            budget -= n
+            rows.append(row)
+            budget -= row.num_tokens
         return SchedulerOutput(rows=rows, preempted=preempted)

@@ -39,8 +39,7 @@ def _prepare(q, k, v, g, beta, initial_state):
     return q, k, v, g, beta, initial_state.astype(f32)
 
 
-def gdn_recurrent_reference(q, k, v, g, beta, initial_state=None):
-    """Token-by-token lax.scan: the definition. See the module docstring for shapes."""
+def _recurrent_scan(q, k, v, g, beta, initial_state, keep_states: bool):
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
 
     def step(S, xs):
@@ -48,11 +47,26 @@ def gdn_recurrent_reference(q, k, v, g, beta, initial_state=None):
         S = S * jnp.exp(g_t)[..., None, None]
         pred = jnp.einsum("bhkv,bhk->bhv", S, k_t)
         S = S + k_t[..., :, None] * (b_t[..., None] * (v_t - pred))[..., None, :]
-        return S, jnp.einsum("bhkv,bhk->bhv", S, q_t)
+        o_t = jnp.einsum("bhkv,bhk->bhv", S, q_t)
+        return S, (o_t, S) if keep_states else o_t
 
     time_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B,H,T,...] -> [T,B,H,...]
-    state, o = jax.lax.scan(step, state, (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta)))
-    return jnp.moveaxis(o, 0, 1), state  # o: [T,B,H,dv] -> [B,T,H,dv]
+    state, ys = jax.lax.scan(step, state, (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta)))
+    if keep_states:
+        o, states = ys
+        return jnp.moveaxis(o, 0, 1), state, jnp.moveaxis(states, 0, 1)  # states: [B, T, H, dk, dv]
+    return jnp.moveaxis(ys, 0, 1), state  # o: [T,B,H,dv] -> [B,T,H,dv]
+
+
+def gdn_recurrent_reference(q, k, v, g, beta, initial_state=None):
+    """Token-by-token lax.scan: the definition. See the module docstring for shapes."""
+    return _recurrent_scan(q, k, v, g, beta, initial_state, keep_states=False)
+
+
+def gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state=None):
+    """The recurrence keeping the state after every step: (o, final_state, states [B, T, Hv, dk, dv]).
+    Speculative verification writes one checkpoint per window position from these."""
+    return _recurrent_scan(q, k, v, g, beta, initial_state, keep_states=True)
 
 
 def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE):

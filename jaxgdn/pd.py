@@ -1,0 +1,140 @@
+"""PD disaggregation by explicit state passing.
+
+The prefill worker runs prompt[:-1] and exports a `Handoff`: the trunk and MTP KV pages of positions
+0..N-2, each GDN layer's conv window and recurrent state h(N-1), the prompt and num_computed = N-1. The
+decode worker imports it into freshly allocated pages and a fresh slot, then runs the prompt tail x_N
+itself (a recurrence is not idempotent, so the handoff point must be h(N-1), never h(N)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import EngineState, GDNSlots, PagedKV
+from .config import FULL_ATTENTION, ModelConfig
+from .request import Request, SamplingParams
+
+Array = Any
+
+
+@dataclasses.dataclass
+class Handoff:
+    """What crosses from the prefill worker to the decode worker for one request.
+
+    kv_k/kv_v: [n_attention_layers, n_pages, page_size, Hkv, D] (positions 0..num_computed-1 in order);
+    mtp_k/mtp_v: [n_mtp_layers, n_pages, page_size, Hkv, D]; conv: [n_gdn_layers, Kc-1, C];
+    ssm: [n_gdn_layers, Hv, dk, dv] fp32.
+    """
+
+    prompt_token_ids: list[int]
+    num_computed: int
+    sampling_params: SamplingParams
+    kv_k: Array
+    kv_v: Array
+    mtp_k: Array
+    mtp_v: Array
+    conv: Array
+    ssm: Array
+    request_id: int = -1  # the prefill worker's id, for the orchestrator's bookkeeping
+
+    ARRAYS = ("kv_k", "kv_v", "mtp_k", "mtp_v", "conv", "ssm")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(getattr(self, n).shape)) * getattr(self, n).dtype.itemsize for n in self.ARRAYS)
+
+    def to_bytes(self) -> bytes:
+        """Serialise (numpy .npz with a JSON header) to cross a process boundary."""
+        meta = {"prompt_token_ids": self.prompt_token_ids, "num_computed": self.num_computed,
+                "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id}
+        buf = io.BytesIO()
+        arrays = {}
+        for name in self.ARRAYS:
+            arr = np.asarray(getattr(self, name))
+            # npz has no bfloat16: ship raw bits with the dtype name alongside.
+            meta[f"{name}_dtype"] = str(arr.dtype)
+            arrays[name] = arr.view(np.uint16) if arr.dtype.name == "bfloat16" else arr
+        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Handoff":
+        z = np.load(io.BytesIO(data))
+        meta = json.loads(z["meta"].tobytes().decode())
+        arrays = {}
+        for name in cls.ARRAYS:
+            arr = z[name]
+            if meta[f"{name}_dtype"] == "bfloat16":
+                arr = arr.view(jnp.bfloat16)
+            arrays[name] = arr
+        sp = meta["sampling_params"]
+        sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+        return cls(prompt_token_ids=meta["prompt_token_ids"], num_computed=meta["num_computed"],
+                   sampling_params=SamplingParams(**sp), request_id=meta["request_id"], **arrays)
+
+
+def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prompt: list[int]) -> Handoff:
+    """Gather a finished prefill request's state from the prefill worker's pools."""
+    n_pages = -(-req.num_computed // state.layers[cfg.attention_layer_ids[0]].k.shape[1]) if req.num_computed else 0
+    pages = jnp.asarray(req.pages[:n_pages], jnp.int32)
+    attn = [state.layers[i] for i in cfg.attention_layer_ids]
+    gdn = [state.layers[i] for i in cfg.gdn_layer_ids]
+    kc1 = cfg.linear_conv_kernel_dim - 1
+    slot = req.slot
+    # The committed GDN state of a prefill row is checkpoint 0 / conv offset 0 (num_accepted = 1).
+    stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,))  # noqa: E731
+    return Handoff(
+        prompt_token_ids=list(full_prompt),
+        num_computed=req.num_computed,
+        sampling_params=req.sampling_params,
+        kv_k=stack([kv.k[pages] for kv in attn]),
+        kv_v=stack([kv.v[pages] for kv in attn]),
+        mtp_k=stack([kv.k[pages] for kv in state.mtp_layers]),
+        mtp_v=stack([kv.v[pages] for kv in state.mtp_layers]),
+        conv=stack([g.conv[slot, :kc1] for g in gdn]),
+        ssm=stack([g.ssm[slot, 0] for g in gdn]),
+        request_id=req.request_id,
+    )
+
+
+def import_handoff(cfg: ModelConfig, state: EngineState, h: Handoff, slot: int, pages: list[int],
+                   device=None) -> EngineState:
+    """Write a handoff into the decode worker's pools at a fresh slot and pages. Resets the slot's
+    num_accepted to 1 and its drafts to -1; last_sampled is left as the slot's previous occupant had it
+    (the fixed input kernel never reads it for the prompt tail; the buggy one does)."""
+    put = (lambda x: jax.device_put(jnp.asarray(x), device)) if device is not None else jnp.asarray
+    n_pages = h.kv_k.shape[1] if h.kv_k.ndim > 1 else 0
+    dst = jnp.asarray(pages[:n_pages], jnp.int32)
+    layers = list(state.layers)
+    a = g = 0
+    for i, t in enumerate(cfg.layer_types):
+        if t == FULL_ATTENTION:
+            kv = layers[i]
+            if n_pages:
+                kv = PagedKV(k=kv.k.at[dst].set(put(h.kv_k[a]).astype(kv.k.dtype)),
+                             v=kv.v.at[dst].set(put(h.kv_v[a]).astype(kv.v.dtype)))
+            layers[i] = kv
+            a += 1
+        else:
+            s = layers[i]
+            kc1 = h.conv.shape[1]
+            conv = s.conv.at[slot].set(0).at[slot, :kc1].set(put(h.conv[g]).astype(s.conv.dtype))
+            ssm = s.ssm.at[slot].set(0).at[slot, 0].set(put(h.ssm[g]).astype(jnp.float32))
+            layers[i] = GDNSlots(conv=conv, ssm=ssm)
+            g += 1
+    mtp_layers = list(state.mtp_layers)
+    if n_pages and h.mtp_k.ndim > 1:
+        for m, kv in enumerate(mtp_layers):
+            mtp_layers[m] = PagedKV(k=kv.k.at[dst].set(put(h.mtp_k[m]).astype(kv.k.dtype)),
+                                    v=kv.v.at[dst].set(put(h.mtp_v[m]).astype(kv.v.dtype)))
+    return EngineState(
+        layers=tuple(layers), mtp_layers=tuple(mtp_layers), last_sampled=state.last_sampled,
+        draft_tokens=state.draft_tokens.at[slot].set(-1), num_accepted=state.num_accepted.at[slot].set(1),
+    )
