@@ -47,6 +47,12 @@ def parse_args(argv=None):
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
                    help="input-assembly kernel (triton needs a GPU with jax-triton)")
+    e.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step, 0..3 (default 0)")
+    e.add_argument("--pd", action="store_true", help="prefill/decode disaggregation with explicit state handoff")
+    e.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at once (sets --max-num-seqs); 1 serves them one after another")
+    e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
+                   help="restore vLLM's pre-#47466 behaviour (wrong outputs under PD + MTP, concurrency > 1)")
     return ap.parse_args(argv)
 
 
@@ -86,9 +92,10 @@ def main(argv=None) -> int:
 
     try:
         config = EngineConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.concurrency or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
-            enforce_eager=args.enforce_eager, dtype=args.dtype,
+            enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
+            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:
@@ -112,6 +119,13 @@ def main(argv=None) -> int:
     mean_ttft = sum(ttfts) / len(ttfts) if ttfts else float("nan")
     print(f"--- {len(outputs)} requests, {n_tokens} tokens in {elapsed:.2f}s: {n_tokens / elapsed:.1f} tok/s "
           f"(incl. compile), mean TTFT {mean_ttft * 1000:.0f} ms, {llm.engine.num_steps} steps")
+    m = llm.metrics()
+    if args.num_speculative_tokens:
+        rates = ", ".join(f"{r:.2f}" if r is not None else "-" for r in m["acceptance_rate_per_position"])
+        print(f"--- MTP K={args.num_speculative_tokens}: {m['num_accepted']}/{m['num_drafted']} drafts accepted, "
+              f"per position [{rates}], mean acceptance length {m['mean_acceptance_length'] or 0:.2f}")
+    if args.pd:
+        print(f"--- PD: {m['handoff_bytes'] / 1e6:.2f} MB of handoff state imported by the decode worker")
     return 0 if all(o.error is None for o in outputs) else 1
 
 

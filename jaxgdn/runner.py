@@ -131,6 +131,14 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
     return jnp.stack(drafts, axis=1), mtp_layers
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool):
+    """One jitted step function per static setting, shared by every runner in the process, so engines
+    built with the same model and settings reuse each other's compiled buckets."""
+    return jax.jit(functools.partial(_device_step, cfg=cfg, gdn_impl=gdn_impl, input_impl=input_impl,
+                                     unguarded=unguarded), donate_argnums=(1,))
+
+
 class ModelRunner:
     """Holds params and the device state; runs steps; counts compiled bucket shapes."""
 
@@ -140,11 +148,7 @@ class ModelRunner:
         self.cfg = cfg
         self.state = state
         self.shapes_seen: set[tuple[int, int, int]] = set()
-        self._step = jax.jit(
-            functools.partial(_device_step, cfg=cfg, gdn_impl=gdn_impl, input_impl=input_impl,
-                              unguarded=reproduce_pd_mtp_bug),
-            donate_argnums=(1,),
-        )
+        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""

@@ -1,0 +1,255 @@
+"""MTP speculative decoding + PD disaggregation: greedy losslessness, PD state equivalence, the
+invariants of reference §8.1, and the #47466 regression reproduced on demand."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import naive_greedy, small_config
+from jaxgdn.engine import LLMEngine
+from jaxgdn.engine_config import EngineConfig
+from jaxgdn.model import forward
+from jaxgdn.params import init_random_params
+from jaxgdn.pd import Handoff
+from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.request import RowKind, SamplingParams
+from jaxgdn.state import init_cache
+
+CFG = small_config(eos_token_ids=())
+PARAMS = init_random_params(CFG, seed=41)
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+LENGTHS = (1, 2, 3, 4, 5, 9, 17, 40)  # 1, 1+K and < conv width included
+_refs: dict = {}
+
+
+def prompt(i, n):
+    return [int(t) for t in np.random.default_rng(500 + i).integers(0, CFG.vocab_size, n)]
+
+
+def ref(p, n=6):
+    if (tuple(p), n) not in _refs:
+        _refs[(tuple(p), n)] = naive_greedy(PARAMS, CFG, p, n)
+    return _refs[(tuple(p), n)]
+
+
+def ecfg(**kw):
+    base = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, kv_page_size=4, dtype="float32")
+    return EngineConfig(**{**base, **kw})
+
+
+def serve(prompts, K, pd, eager=False, bug=False, per_step=2, garbage=3, params=GREEDY, transport_bytes=False,
+          **kw):
+    """Serve prompts with staggered arrivals; returns (outputs, decode engine)."""
+    cfg = ecfg(num_speculative_tokens=K, enforce_eager=eager, reproduce_pd_mtp_bug=bug, pd=pd, **kw)
+    if pd:
+        P = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=garbage)
+        D = DecodeWorker(PARAMS, CFG, cfg, garbage_seed=garbage + 1)
+        D.record_inputs = True
+        rids = run_disaggregated(P, D, prompts, [params] * len(prompts), transport_bytes=transport_bytes)
+        return [D.output(r) for r in rids], D
+    eng = LLMEngine(PARAMS, CFG, cfg, garbage_seed=garbage)
+    eng.record_inputs = True
+    rids, pending = [], list(prompts)
+    while pending or eng.has_unfinished:
+        for _ in range(per_step):
+            if pending:
+                rids.append(eng.add_request(pending.pop(0), params))
+        eng.step()
+    return [eng.output(r) for r in rids], eng
+
+
+def assert_prompt_fidelity(eng, outputs):
+    for out in outputs:
+        p = out.prompt_token_ids
+        assert all(tok == p[pos] for pos, tok in eng.fed_tokens.get(out.request_id, []) if pos < len(p))
+
+
+@pytest.mark.parametrize("K, pd, eager", [(1, False, False), (2, True, False), (3, True, False), (1, True, True),
+                                          (3, False, True)])
+def test_greedy_losslessness(K, pd, eager):
+    prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(10)]
+    outs, eng = serve(prompts, K, pd, eager, transport_bytes=pd)
+    for out, p in zip(outs, prompts):
+        assert out.error is None and out.token_ids == ref(p), f"prompt length {len(p)}"
+    assert_prompt_fidelity(eng, outs)
+    assert eng.spec_metrics()["num_drafted"] > 0
+    if pd:
+        assert eng.handoff_bytes_in > 0
+
+
+def test_regression_47466_reproduced_and_fixed():
+    """Pre-fix behaviour: PD + MTP at concurrency >= 4 makes requests diverge; concurrency 1 does not."""
+    prompts = [prompt(100 + i, 6 + i) for i in range(6)]
+    fixed, _ = serve(prompts, 1, pd=True)
+    assert all(o.token_ids == ref(p) for o, p in zip(fixed, prompts))
+    buggy, _ = serve(prompts, 1, pd=True, bug=True)
+    assert sum(o.token_ids != ref(p) for o, p in zip(buggy, prompts)) >= 1
+    for p in prompts[:3]:  # one request at a time: the tail is never padded, so the bug cannot fire
+        alone, _ = serve([p], 1, pd=True, bug=True)
+        assert alone[0].token_ids == ref(p)
+
+
+def committed_states(eng, slot):
+    """(conv window, ssm) per GDN layer at the committed offset num_accepted - 1."""
+    st = eng.runner.state
+    a = int(st.num_accepted[slot]) - 1
+    kc1 = CFG.linear_conv_kernel_dim - 1
+    return [(np.asarray(st.layers[i].conv[slot, a : a + kc1]), np.asarray(st.layers[i].ssm[slot, a]))
+            for i in CFG.gdn_layer_ids]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_pd_state_equivalence_after_first_decode_step(padded):
+    """After D's first step the committed conv and recurrent states equal a monolithic prefill."""
+    K = 2
+    p = prompt(7, 11)
+    cfg = ecfg(num_speculative_tokens=K, pd=True)
+    P = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=5)
+    D = DecodeWorker(PARAMS, CFG, cfg, garbage_seed=6)
+    P.submit(p, GREEDY)
+    while P.has_unfinished:
+        P.step()
+    (h,) = P.pop_handoffs()
+    assert h.num_computed == len(p) - 1 and Handoff.from_bytes(h.to_bytes()).num_computed == h.num_computed
+    if padded:  # a running request in D makes the scheduler pad the tail to 1+K placeholders
+        D.add_request(prompt(8, 3), SamplingParams(temperature=0, max_tokens=20))
+        D.step()
+    rid = D.submit(h)
+    out = D.step()
+    (row,) = [r for r in out.rows if r.request.request_id == rid]
+    assert row.kind == RowKind.PROMPT_TAIL and row.padded_tail == padded
+    assert row.num_tokens == (1 + K if padded else 1)
+    # Monolithic reference: the whole prompt through the dense-cache model.
+    _, _, cache = forward(PARAMS, CFG, jnp.asarray([p]), init_cache(CFG, 1, 32))
+    for (conv, ssm), i in zip(committed_states(D, row.request.slot), CFG.gdn_layer_ids):
+        np.testing.assert_allclose(conv, np.asarray(cache.layers[i].conv[0]), atol=1e-5)
+        np.testing.assert_allclose(ssm, np.asarray(cache.layers[i].ssm[0]), atol=1e-5)
+    assert D.output(rid).token_ids == ref(p, 1)
+
+
+@pytest.mark.parametrize("kind", ["placeholder", "zero", "out_of_range", "true_argmax", "mixed"])
+def test_adversarial_drafts_change_acceptance_only(kind):
+    K = 3
+    prompts = [prompt(300 + i, 5 + 3 * i) for i in range(4)]
+    truth = {tuple(p): ref(p, 12) for p in prompts}
+
+    def override(req, drafts):
+        n = len(req.output_token_ids)
+        true = (truth[tuple(req.prompt_token_ids)] + [0] * 8)[n : n + K]
+        return {"placeholder": [-1] * K, "zero": [0] * K, "out_of_range": [CFG.vocab_size + 5] * K,
+                "true_argmax": true, "mixed": [true[0], -1, true[2]]}[kind]
+
+    cfg = ecfg(num_speculative_tokens=K)
+    eng = LLMEngine(PARAMS, CFG, cfg, garbage_seed=2)
+    eng.draft_override = override
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts]
+    accepted_in_range = True
+    while eng.has_unfinished:
+        out = eng.step()
+        na = np.asarray(eng.runner.state.num_accepted)
+        for row in out.rows:  # accounting: 1 <= num_accepted <= 1+K for every slot still held
+            if row.request.slot:
+                accepted_in_range &= bool(1 <= na[row.request.slot] <= 1 + K)
+    assert accepted_in_range
+    for r, p in zip(rids, prompts):
+        assert eng.output(r).token_ids == truth[tuple(p)]
+    m = eng.spec_metrics()
+    if kind == "true_argmax":
+        assert m["acceptance_rate"] > 0.9
+    elif kind in ("placeholder", "out_of_range"):
+        assert m["num_accepted"] == 0
+    elif kind == "mixed":
+        assert m["acceptance_rate_per_position"][1] == 0 and m["acceptance_rate_per_position"][0] > 0.9
+
+
+def test_accounting_identities():
+    """num_computed advances by q - rejected; rejected = drafts - (sampled - 1); logits rows = 1 + drafts."""
+    K = 2
+    cfg = ecfg(num_speculative_tokens=K)
+    eng = LLMEngine(PARAMS, CFG, cfg)
+    for i in range(3):
+        eng.add_request(prompt(600 + i, 4 + i), SamplingParams(temperature=0, max_tokens=8))
+    while eng.has_unfinished:
+        before = {r.request_id: (r.num_computed, r.num_tokens) for r in eng.scheduler.running + list(eng.scheduler.waiting)}
+        out = eng.step()
+        for row in out.rows:
+            req = row.request
+            c0, n0 = before[req.request_id]
+            produced = req.num_tokens - n0
+            if row.kind == RowKind.SPEC_VERIFY and req.finish_reason is None:
+                rejected = len(row.spec_tokens) - (produced - 1)
+                assert 0 <= rejected <= len(row.spec_tokens)
+                assert req.num_computed == c0 + row.num_tokens - rejected
+            elif row.kind == RowKind.PREFILL_CHUNK and not row.samples:
+                assert req.num_computed == c0 + row.num_tokens and produced == 0
+
+
+def test_padding_is_a_no_op():
+    prompts = [prompt(700 + i, 3 + 4 * i) for i in range(5)]
+    padded, _ = serve(prompts, 2, pd=True, pad_prompt_tail=True)
+    unpadded, _ = serve(prompts, 2, pd=True, pad_prompt_tail=False)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in unpadded] == [ref(p) for p in prompts]
+
+
+def test_temperature_sampling_with_mtp_matches_plain_sampling():
+    """Chi-square homogeneity of the 3rd sampled token, K=2 with drafts that are sometimes right vs K=0."""
+    cfg_v = small_config(vocab_size=8, eos_token_ids=())
+    params = init_random_params(cfg_v, seed=3)
+    sp = SamplingParams(temperature=1.0, max_tokens=3)
+
+    def third_tokens(K):
+        eng = LLMEngine(params, cfg_v, ecfg(num_speculative_tokens=K, max_num_seqs=32, max_num_batched_tokens=128))
+        if K:
+            eng.draft_override = lambda req, d: [req.output_token_ids[-1] % 8, 2][:K]
+        rids = [eng.add_request([1, 2, 3], sp) for _ in range(1500)]
+        eng.run_until_done()
+        return np.bincount([eng.output(r).token_ids[2] for r in rids], minlength=8), eng
+
+    plain, _ = third_tokens(0)
+    spec, eng = third_tokens(2)
+    assert eng.spec_metrics()["num_accepted"] > 50  # both the accept and the residual paths ran
+    table = np.stack([plain, spec]).astype(float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    keep = expected.min(0) > 0
+    chi2 = float((((table - expected) ** 2) / np.where(expected > 0, expected, 1))[:, keep].sum())
+    assert chi2 < 24.3, (chi2, plain, spec)  # df <= 7, p = 0.001
+
+
+FUZZ_EXAMPLES = int(os.environ.get("JAXGDN_FUZZ_EXAMPLES", "4"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(
+    lengths=st.lists(st.sampled_from([1, 2, 3, 4, 6, 11, 33]), min_size=1, max_size=6),
+    K=st.integers(1, 3),
+    max_num_seqs=st.sampled_from([2, 4, 8]),
+    pd=st.booleans(),
+    eager=st.booleans(),
+    per_step=st.integers(1, 3),
+)
+def test_random_workloads_equal_plain_greedy(lengths, K, max_num_seqs, pd, eager, per_step):
+    prompts = [prompt(900 + i, n) for i, n in enumerate(lengths)]
+    outs, _ = serve(prompts, K, pd, eager, per_step=per_step, max_num_seqs=max_num_seqs,
+                    params=SamplingParams(temperature=0, max_tokens=4))
+    assert [o.token_ids for o in outs] == [ref(p, 4) for p in prompts]
+
+
+def test_mtp_draft_equals_dense_mtp_head():
+    """The engine's first draft is the argmax of the dense MTP head on (hidden of the last prompt
+    position, sampled token): paged MTP KV, positions and the shift-left input are right."""
+    from jaxgdn.mtp import mtp_forward
+
+    p = prompt(1000, 9)
+    eng = LLMEngine(PARAMS, CFG, ecfg(num_speculative_tokens=1))
+    eng.add_request(p, SamplingParams(temperature=0, max_tokens=3))
+    eng.step()  # the prefill samples y_1 and drafts d_1
+    req = eng.scheduler.running[0]
+    y1 = req.output_token_ids[0]
+    _, hidden, _ = forward(PARAMS, CFG, jnp.asarray([p]))
+    logits, _, _ = mtp_forward(PARAMS, CFG, hidden, jnp.asarray([p[1:] + [y1]]))
+    assert req.spec_token_ids == [int(jnp.argmax(logits[0, -1]))]
+
