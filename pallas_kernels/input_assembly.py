@@ -85,7 +85,8 @@ def combine_xla(input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens,
 
 
 def _pallas_kernel(idx_ref, last_ref, qsl_ref, seq_ref, plen_ref, draft_ref, cu_ref, ids_in_ref, li_in_ref,
-                   ids_ref, li_ref, *, max_logits, unguarded):
+                   ids_ref, li_ref, *, max_logits, num_drafts, unguarded):
+    # Triton lowering wants power-of-two vector sizes: max_logits >= 1+K and the draft width are padded.
     del ids_in_ref, li_in_ref  # aliased to ids_ref / li_ref
     b = pl.program_id(0)
     r = idx_ref[b]
@@ -102,11 +103,11 @@ def _pallas_kernel(idx_ref, last_ref, qsl_ref, seq_ref, plen_ref, draft_ref, cu_
     write_sampled = beyond_prompt & (unguarded | (seq_len - n_logits >= plen))
     sampled = jnp.full((1,), last_ref[r], jnp.int32)
     plt.store(ids_ref.at[pl.ds(start, 1)], sampled, mask=jnp.full((1,), write_sampled))
-    K = max_logits - 1
-    if K:
-        k_offs = jnp.arange(K, dtype=jnp.int32)
-        drafts = plt.load(draft_ref.at[r, pl.ds(0, K)])
-        plt.store(ids_ref.at[pl.ds(qe - n_draft, K)], drafts, mask=beyond_prompt & (k_offs < n_draft))
+    if num_drafts:
+        KP = draft_ref.shape[1]
+        k_offs = jnp.arange(KP, dtype=jnp.int32)
+        drafts = plt.load(draft_ref.at[r, pl.ds(0, KP)])
+        plt.store(ids_ref.at[pl.ds(qe - n_draft, KP)], drafts, mask=beyond_prompt & (k_offs < n_draft))
 
 
 def combine_pallas(input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens, prefill_len,
@@ -117,11 +118,16 @@ def combine_pallas(input_ids, idx_mapping, last_sampled, query_start_loc, seq_le
     K = draft_tokens.shape[1]
     T = input_ids.shape[0]
     R = idx_mapping.shape[0]
-    # Masked stores of up to 1+K elements may start up to K before a row's end: pad the outputs.
-    pad = K + 1
+    LP = pl.next_power_of_2(K + 1)
+    KP = pl.next_power_of_2(max(K, 1))
+    # Masked stores of up to LP (KP) elements start inside the arrays; pad the outputs past their ends.
+    pad = LP + KP
     ids_padded = jnp.concatenate([input_ids.astype(jnp.int32), jnp.zeros((pad,), jnp.int32)])
     li = jnp.zeros((num_logits + pad,), jnp.int32)
-    kernel = functools.partial(_pallas_kernel, max_logits=K + 1, unguarded=unguarded)
+    drafts = jnp.zeros((last_sampled.shape[0], KP), jnp.int32)
+    if K:
+        drafts = drafts.at[:, :K].set(draft_tokens.astype(jnp.int32))
+    kernel = functools.partial(_pallas_kernel, max_logits=LP, num_drafts=K, unguarded=unguarded)
     ids_out, li_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(ids_padded.shape, jnp.int32), jax.ShapeDtypeStruct(li.shape, jnp.int32)),
@@ -129,8 +135,7 @@ def combine_pallas(input_ids, idx_mapping, last_sampled, query_start_loc, seq_le
         input_output_aliases={7: 0, 8: 1},
         interpret=interpret,
     )(idx_mapping.astype(jnp.int32), last_sampled.astype(jnp.int32), query_start_loc.astype(jnp.int32),
-      seq_lens.astype(jnp.int32), prefill_len.astype(jnp.int32),
-      draft_tokens.astype(jnp.int32) if K else jnp.zeros((last_sampled.shape[0], 1), jnp.int32),
+      seq_lens.astype(jnp.int32), prefill_len.astype(jnp.int32), drafts,
       cu_num_logits.astype(jnp.int32), ids_padded, li)
     return ids_out[:T], li_out[:num_logits]
 
