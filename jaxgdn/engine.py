@@ -44,7 +44,7 @@ class LLMEngine:
             params, state = jax.device_put((params, state), device)
         self.device = device
         self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, input_impl=input_impl,
-                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug)
+                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

@@ -143,7 +143,8 @@ class ModelRunner:
     """Holds params and the device state; runs steps; counts compiled bucket shapes."""
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "chunked",
-                 input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False):
+                 input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None):
+        self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
         self.state = state
@@ -162,7 +163,8 @@ class ModelRunner:
     def run(self, arrays: StepArrays) -> "StepResult":
         """Run one step; the results come back to the host."""
         self.shapes_seen.add(arrays.shape_key)
-        device_args = {k: jnp.asarray(v) for k, v in vars(arrays).items() if k != "row_kind"}
+        host_args = {k: v for k, v in vars(arrays).items() if k != "row_kind"}
+        device_args = jax.device_put(host_args, self.device) if self.device is not None else jax.device_put(host_args)
         self.state, tokens, num_sampled, drafts, ids = self._step(self.params, self.state, device_args)
         return StepResult(np.asarray(tokens), np.asarray(num_sampled), np.asarray(drafts), np.asarray(ids))
 
