@@ -1,6 +1,6 @@
 """State pools: paged attention KV (trunk + MTP layer), GDN slots, per-slot sampling state.
 
-Host side: `PageAllocator` and `SlotAllocator` hand out page ids and persistent request slots.
+Host side: `FreeList`s hand out KV page ids and persistent request slots.
 Device side: `EngineState`, one pytree donated to every jitted step.
   - attention layer i: k, v pools [num_pages, page_size, Hkv, D]; page 0 is the null page that padded
     tokens write to and no real request owns.
@@ -27,12 +27,12 @@ NULL_PAGE = 0
 NULL_SLOT = 0
 
 
-class PageAllocator:
-    """Free list of KV page ids 1..num_pages-1 (page 0 is the null page)."""
+class FreeList:
+    """Ids 1..n-1 handed out lowest first; id 0 is reserved (the null page / null slot)."""
 
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))
+    def __init__(self, n: int, what: str):
+        self.what = what
+        self._free = list(range(n - 1, 0, -1))
 
     @property
     def num_free(self) -> int:
@@ -40,31 +40,11 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise MemoryError(f"need {n} KV pages, {len(self._free)} free")
+            raise MemoryError(f"need {n} {self.what}, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
 
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-
-class SlotAllocator:
-    """Persistent request slots 1..max_num_seqs (slot 0 is the null slot)."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise MemoryError("no free request slot")
-        return self._free.pop()
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
 
 
 @pytree_dataclass
@@ -144,4 +124,4 @@ def init_engine_state(
     return jax.tree.unflatten(treedef, noisy)
 
 
-__all__ = ["EngineState", "GDNSlots", "PagedKV", "PageAllocator", "SlotAllocator", "init_engine_state"]
+__all__ = ["EngineState", "FreeList", "GDNSlots", "PagedKV", "init_engine_state"]

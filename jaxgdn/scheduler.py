@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 
-from .cache import PageAllocator, SlotAllocator
+from .cache import FreeList
 from .engine_config import EngineConfig
 from .request import Request, RequestStatus, RowKind
 
@@ -70,8 +70,8 @@ class Scheduler:
     def __init__(self, ecfg: EngineConfig, num_pages: int):
         self.ecfg = ecfg
         self.K = ecfg.num_speculative_tokens
-        self.pages = PageAllocator(num_pages)
-        self.slots = SlotAllocator(ecfg.num_slots)
+        self.pages = FreeList(num_pages, "KV pages")  # page 0 is the null page
+        self.slots = FreeList(ecfg.num_slots, "request slots")  # slot 0 is the null slot
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -90,7 +90,7 @@ class Scheduler:
         self.pages.free(req.pages)
         req.pages = []
         if req.slot:
-            self.slots.free(req.slot)
+            self.slots.free([req.slot])
             req.slot = 0
 
     def finish(self, req: Request, reason: str) -> None:
@@ -172,7 +172,7 @@ class Scheduler:
                 break  # FCFS: later requests wait behind the head
             need = self._pages_for(row)
             self.waiting.popleft()
-            req.slot = self.slots.allocate()
+            (req.slot,) = self.slots.allocate(1)
             req.pages = self.pages.allocate(need)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

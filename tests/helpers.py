@@ -112,3 +112,14 @@ def naive_greedy(params, cfg: ModelConfig, prompt: list[int], num_tokens: int, p
 
 
 _naive_fwd: dict = {}
+
+
+def run_staggered(eng, prompts: list[list[int]], per_step: int, params) -> list[int]:
+    """Add `per_step` requests before each engine step, so new requests join running batches."""
+    rids, pending = [], list(prompts)
+    while pending or eng.has_unfinished:
+        for _ in range(per_step):
+            if pending:
+                rids.append(eng.add_request(pending.pop(0), params))
+        eng.step()
+    return rids

@@ -4,7 +4,7 @@ prefill, buckets on/off, garbage-filled slots and preemption; bad input is isola
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, small_config
+from helpers import naive_greedy, run_staggered, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
@@ -35,23 +35,12 @@ def engine(**kw) -> LLMEngine:
     return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}), garbage_seed=garbage, input_impl=impl)
 
 
-def run_staggered(eng: LLMEngine, prompts: list[list[int]], per_step: int, params=GREEDY) -> list[int]:
-    """Add `per_step` requests before each step, so new requests join running batches."""
-    rids, pending = [], list(prompts)
-    while pending or eng.has_unfinished:
-        for _ in range(per_step):
-            if pending:
-                rids.append(eng.add_request(pending.pop(0), params))
-        eng.step()
-    return rids
-
-
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
     prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(16)]
     eng = engine(enforce_eager=enforce_eager)
     eng.record_inputs = True
-    rids = run_staggered(eng, prompts, per_step=2)
+    rids = run_staggered(eng, prompts, 2, GREEDY)
     for rid, p in zip(rids, prompts):
         out = eng.output(rid)
         assert out.error is None and out.finish_reason == "length"
@@ -67,7 +56,7 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
 def test_low_concurrency_and_pallas_input_kernel(n_requests):
     prompts = [prompt(50 + i, LENGTHS[(3 * i + 4) % len(LENGTHS)]) for i in range(n_requests)]
     eng = engine(input_impl="pallas", max_num_batched_tokens=512)
-    rids = run_staggered(eng, prompts, per_step=n_requests)
+    rids = run_staggered(eng, prompts, n_requests, GREEDY)
     assert [eng.output(r).token_ids for r in rids] == [reference(p, 5) for p in prompts]
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import naive_greedy, small_config
+from helpers import naive_greedy, run_staggered, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.model import forward
@@ -53,12 +53,7 @@ def serve(prompts, K, pd, eager=False, bug=False, per_step=2, garbage=3, params=
         return [D.output(r) for r in rids], D
     eng = LLMEngine(PARAMS, CFG, cfg, garbage_seed=garbage)
     eng.record_inputs = True
-    rids, pending = [], list(prompts)
-    while pending or eng.has_unfinished:
-        for _ in range(per_step):
-            if pending:
-                rids.append(eng.add_request(pending.pop(0), params))
-        eng.step()
+    rids = run_staggered(eng, prompts, per_step, params)
     return [eng.output(r) for r in rids], eng
 
 
