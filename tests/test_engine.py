@@ -150,3 +150,20 @@ def test_stops_on_eos_stop_ids_and_max_model_len():
     rid = eng3.add_request(p, SamplingParams(temperature=0, max_tokens=50))
     eng3.run_until_done()
     assert eng3.output(rid).token_ids == free_run[:2] and eng3.output(rid).finish_reason == "length"
+
+
+def test_default_bf16_config_serves_like_fp32():
+    """The default EngineConfig (bf16 weights/activations, fp32 GDN state) with PD + MTP gives the fp32
+    greedy tokens on this model (bf16 rounding could flip near-ties; these prompts have none)."""
+    import jax.numpy as jnp
+
+    from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
+
+    p16 = init_random_params(CFG, seed=21, dtype=jnp.bfloat16)
+    ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8,
+                        num_speculative_tokens=2, pd=True)
+    assert ecfg.dtype == "bfloat16"
+    P, D = PrefillWorker(p16, CFG, ecfg), DecodeWorker(p16, CFG, ecfg)
+    prompts = [prompt(1100 + i, n) for i, n in enumerate((1, 5, 30))]
+    rids = run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=4)] * 3)
+    assert [D.output(r).token_ids for r in rids] == [reference(p, 4) for p in prompts]

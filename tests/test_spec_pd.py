@@ -63,11 +63,12 @@ def assert_prompt_fidelity(eng, outputs):
         assert all(tok == p[pos] for pos, tok in eng.fed_tokens.get(out.request_id, []) if pos < len(p))
 
 
-@pytest.mark.parametrize("K, pd, eager", [(1, False, False), (2, True, False), (3, True, False), (1, True, True),
-                                          (3, False, True)])
-def test_greedy_losslessness(K, pd, eager):
-    prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(10)]
-    outs, eng = serve(prompts, K, pd, eager, transport_bytes=pd)
+@pytest.mark.parametrize("K, pd, eager, concurrency", [(1, False, False, 16), (2, True, False, 8), (3, True, False, 1),
+                                                       (1, True, True, 4), (3, False, True, 8)])
+def test_greedy_losslessness(K, pd, eager, concurrency):
+    n = 16 if concurrency == 16 else 10
+    prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(n)]
+    outs, eng = serve(prompts, K, pd, eager, transport_bytes=pd, max_num_seqs=concurrency, per_step=3)
     for out, p in zip(outs, prompts):
         assert out.error is None and out.token_ids == ref(p), f"prompt length {len(p)}"
     assert_prompt_fidelity(eng, outs)
@@ -247,4 +248,50 @@ def test_mtp_draft_equals_dense_mtp_head():
     _, hidden, _ = forward(PARAMS, CFG, jnp.asarray([p]))
     logits, _, _ = mtp_forward(PARAMS, CFG, hidden, jnp.asarray([p[1:] + [y1]]))
     assert req.spec_token_ids == [int(jnp.argmax(logits[0, -1]))]
+
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_one_row_kind_drives_every_consumer(bug):
+    """For every scheduled row of a PD + MTP run: the kernel's last_sampled write, the GDN state path,
+    the number of logits rows and the sampler all follow from the row kind (and the bug flag)."""
+
+    from pallas_kernels.input_assembly import combine_reference
+
+    K = 2
+    cfg = ecfg(num_speculative_tokens=K, pd=True, reproduce_pd_mtp_bug=bug)
+    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
+    seen = set()
+    original_run = D.runner.run
+
+    def checked_run(arrays):
+        res = original_run(arrays)
+        n_logits = np.diff(arrays.cu_num_logits)
+        last = np.full(cfg.num_slots, -7, np.int32)  # a marker: where does last_sampled land?
+        drafts = np.full((cfg.num_slots, K), -9, np.int32)
+        ids, _ = combine_reference(arrays.input_ids, arrays.idx_mapping, last, arrays.query_start_loc,
+                                   arrays.seq_lens, arrays.prefill_len, drafts, arrays.cu_num_logits,
+                                   int(arrays.cu_num_logits[-1]), unguarded=bug)
+        for b, kind in enumerate(arrays.row_kind):
+            kind = RowKind(kind)
+            if kind == RowKind.PAD:
+                continue
+            qs, qe = arrays.query_start_loc[b], arrays.query_start_loc[b + 1]
+            wrote_last = bool((ids[qs:qe] == -7).any())
+            padded = bool(arrays.pad_tail[b])
+            seen.add((kind, padded))
+            assert n_logits[b] == (1 + K if kind == RowKind.SPEC_VERIFY or padded else 1)
+            assert wrote_last == (kind in (RowKind.DECODE, RowKind.SPEC_VERIFY) or (bug and padded))
+            fixed_verify = kind == RowKind.SPEC_VERIFY or padded
+            assert bool(arrays.verify_path[b]) == (fixed_verify and not (bug and padded))
+            if arrays.samples[b]:
+                assert 1 <= res.num_sampled[b] <= n_logits[b]
+            else:
+                assert kind == RowKind.PREFILL_CHUNK and res.num_sampled[b] == 0
+        return res
+
+    D.runner.run = checked_run
+    prompts = [prompt(800 + i, 3 + 5 * i) for i in range(6)]
+    run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=5)] * len(prompts))
+    assert (RowKind.PROMPT_TAIL, True) in seen and (RowKind.SPEC_VERIFY, False) in seen
 
