@@ -25,7 +25,6 @@ from .params import ModelParams, expected_tensor_shapes, params_from_tensors, pa
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SKIPPED_PREFIXES = ("model.visual.",)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 class CheckpointError(ValueError):

@@ -38,10 +38,6 @@ class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Request]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
 
 def row_kind(req: Request) -> RowKind:
     """Row kind from request state, before its drafts: the one place this is decided."""
