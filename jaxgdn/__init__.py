@@ -2,10 +2,11 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, ModelConfig, qwen35_0_8b
+from .engine_config import EngineConfig
+from .llm import LLM
+from .request import RequestOutput, SamplingParams
 
-__all__ = ["CheckpointError", "ConfigError", "ModelConfig", "load_checkpoint", "qwen35_0_8b", "save_checkpoint"]
-from .engine_config import EngineConfig  # noqa: E402
-from .llm import LLM  # noqa: E402
-from .request import RequestOutput, SamplingParams  # noqa: E402
-
-__all__ += ["EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "CheckpointError", "ConfigError", "EngineConfig", "LLM", "ModelConfig", "RequestOutput", "SamplingParams",
+    "load_checkpoint", "qwen35_0_8b", "save_checkpoint",
+]

@@ -4,6 +4,9 @@ For scale: HF's own fp32 logits differ from the same model run in fp64 by up to 
 so 1e-4 is about twice the rounding floor; any real porting bug moves logits by far more.
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -22,6 +25,23 @@ CONFIGS = {
 }
 
 
+RECORDED: dict[str, dict[int, float]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record_parity():
+    """JAXGDN_RECORD_PARITY=path writes every measured max-abs diff to a JSON file (README figures)."""
+    yield
+    path = os.environ.get("JAXGDN_RECORD_PARITY")
+    if path and RECORDED:
+        from jaxgdn.bench import environment
+
+        payload = {"benchmark": "parity_vs_transformers_fp32", "tolerance": TOL_FP32, "batch": 2,
+                   "max_abs_logit_diff": RECORDED, "env": environment()}
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model_pair(request):
     cfg = CONFIGS[request.param]
@@ -36,6 +56,7 @@ def test_logits_match_transformers_fp32(model_pair, length):
     ours, _, _ = fwd(params, cfg, ids)
     ref = hf_logits(hf_model, ids)
     diff = float(np.max(np.abs(np.asarray(ours) - ref)))
+    RECORDED.setdefault(name, {})[length] = diff
     print(f"fp32 {name} T={length}: max-abs logit diff {diff:.2e} (|logits| max {np.abs(ref).max():.1f})")
     assert np.abs(ref).max() > 1.0, "logits too small for the comparison to mean anything"
     assert diff <= TOL_FP32
