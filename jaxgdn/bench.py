@@ -40,10 +40,11 @@ def environment() -> dict:
     return env
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict, path: Path | None = None) -> Path:
+    """Write payload as JSON to path, default bench/results/<name>_<backend>_<date>.json."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-    path = RESULTS_DIR / f"{name}_{payload['env']['backend']}_{stamp}.json"
+    path = path or RESULTS_DIR / f"{name}_{payload['env']['backend']}_{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

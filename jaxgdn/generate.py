@@ -1,6 +1,8 @@
 """`python -m jaxgdn.generate`: generate completions with the jaxgdn engine.
 
-With no arguments it runs the checkpoint shipped in checkpoints/ on its built-in demo prompts.
+With no arguments it runs the checkpoint shipped in checkpoints/ (the tiny arithmetic model) on a few
+test problems with PD disaggregation and MTP speculative decoding on, prints its worked answers against
+the reference answers, and the acceptance statistics.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ def parse_args(argv=None):
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
                    help="input-assembly kernel (triton needs a GPU with jax-triton)")
-    e.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step, 0..3 (default 0)")
-    e.add_argument("--pd", action="store_true", help="prefill/decode disaggregation with explicit state handoff")
+    e.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="MTP drafts per step, 0..3 (default 0; 1 in the no-argument demo)")
+    e.add_argument("--pd", action="store_true",
+                   help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
+    ap.add_argument("--demo-problems", type=int, default=4,
+                    help="test problems the no-argument demo runs (default 4)")
     e.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight at once (sets --max-num-seqs); 1 serves them one after another")
     e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
@@ -65,9 +71,27 @@ def collect_prompts(args) -> list:
     return prompts
 
 
+def demo_problems(n: int) -> list:
+    """The first n test-split problems of the arithmetic task (the shipped model's task)."""
+    from .task import take
+
+    return take("test", n)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.model or default_checkpoint()
+    demo = []
+    if args.model is None and not (args.prompt or args.prompt_ids or args.prompts_file) and model is not None:
+        # The no-argument run: the shipped model on test problems, PD + MTP on.
+        demo = demo_problems(args.demo_problems)
+        args.prompt = [p.prompt() for p in demo]
+        args.pd = True
+        args.max_tokens = max(args.max_tokens, 256)
+        if args.num_speculative_tokens is None:
+            args.num_speculative_tokens = 1
+        print(f"jaxgdn demo: {model.name} on {len(demo)} test problems, PD + MTP K={args.num_speculative_tokens}")
+    args.num_speculative_tokens = args.num_speculative_tokens or 0
     if model is None:
         print(
             "jaxgdn: no default checkpoint ships in checkpoints/ yet (the trained tiny model is a later issue).\n"
@@ -106,7 +130,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, sp)
     elapsed = time.perf_counter() - t0
-    for prompt, out in zip(prompts, outputs):
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         shown = prompt if isinstance(prompt, str) else f"ids {list(prompt)}"
         print(f"=== {shown}")
         if out.error:
@@ -114,6 +138,12 @@ def main(argv=None) -> int:
         else:
             print(out.text if out.text is not None else f"ids {out.token_ids}")
             print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}]")
+            if demo:
+                from .task import extract_answer
+
+                got = extract_answer(out.text or "")
+                verdict = "correct" if got is not None and float(got) == demo[i].answer else "WRONG"
+                print(f"[reference answer {demo[i].answer}: {verdict}]")
     n_tokens = sum(len(o.token_ids) for o in outputs)
     ttfts = [o.ttft for o in outputs if o.ttft is not None]
     mean_ttft = sum(ttfts) / len(ttfts) if ttfts else float("nan")

@@ -106,31 +106,39 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
     [R, Q, H], new EngineState)."""
     T = input_ids.shape[0]
-    valid = view.valid
     cell = jnp.clip(view.token_index, 0, T - 1)
-    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)][cell]  # [R, Q, H]
+    flat_index = jnp.where(view.valid, view.token_index, T)
+    to_rows = lambda x: x[cell]  # noqa: E731  [T, ...] -> [R, Q, ...]
+    to_flat = lambda y: jnp.zeros((T, *y.shape[2:]), y.dtype).at[flat_index].set(y, mode="drop")  # noqa: E731
+    # Norms and MLPs run on the flat tokens; only the token mixers see the [R, Q] view, whose padding
+    # (R*Q can be several times T in a mixed prefill/decode step) would otherwise multiply their cost.
+    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]  # [T, H]
     num_valid = view.num_valid
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         p = params.layers[i]
         layer_state = state.layers[i]
         if layer_type == FULL_ATTENTION:
-            mixer = lambda h, p=p, s=layer_state: paged_attention(p.mixer, cfg, h, view, s)  # noqa: E731
+
+            def mixer_rows(h, p=p, s=layer_state):
+                return paged_attention(p.mixer, cfg, h, view, s)
         else:
 
-            def mixer(h, p=p, s=layer_state):
+            def mixer_rows(h, p=p, s=layer_state):
                 start = read_gdn_state(s, view, state.num_accepted, cfg.linear_conv_kernel_dim)
                 K = s.ssm.shape[1] - 1
                 res = gdn_layer(p.mixer, cfg, h, start, impl=gdn_impl, num_valid=num_valid, spec_window=K)
                 out, new, checkpoints = res if K else (*res, None)
                 return out, write_gdn_state(s, view, new, checkpoints)
 
+        def mixer(h_flat, mixer_rows=mixer_rows):
+            out, new_state = mixer_rows(to_rows(h_flat))
+            return to_flat(out), new_state
+
         x, new_state = residual_block(p, cfg, x, mixer)
         new_layers.append(new_state)
-    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
-    flat_index = jnp.where(valid, view.token_index, T)
-    hidden_flat = jnp.zeros((T, hidden.shape[-1]), hidden.dtype).at[flat_index].set(hidden, mode="drop")
-    return hidden_flat, hidden, EngineState(
+    hidden_flat = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    return hidden_flat, to_rows(hidden_flat), EngineState(
         layers=tuple(new_layers),
         mtp_layers=state.mtp_layers,
         last_sampled=state.last_sampled,

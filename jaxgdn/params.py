@@ -218,6 +218,13 @@ def params_to_tensors(cfg: ModelConfig, params: ModelParams) -> dict[str, Array]
     return dict(zip(name_leaves, value_leaves))
 
 
+def cast_params(cfg: ModelConfig, params: ModelParams, weight_dtype) -> ModelParams:
+    """params with jaxgdn's dtype policy applied (fp32 A_log / gated norm, weight_dtype elsewhere);
+    traceable, so training can keep fp32 master weights and run the forward in bf16."""
+    tensors = {name: x.astype(tensor_dtype(name, weight_dtype)) for name, x in params_to_tensors(cfg, params).items()}
+    return params_from_tensors(cfg, tensors, include_mtp=params.mtp is not None)
+
+
 class _KeyEcho(dict):
     """A mapping whose lookups return the key itself."""
 

@@ -80,7 +80,9 @@ def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SI
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    C = chunk_size
+    # Short inputs (decode, verify windows) use a chunk of the next power of two >= T: a single-token
+    # step padded to 64 would cost 64x the work in the intra-chunk solve and products.
+    C = min(chunk_size, 1 << max(T - 1, 0).bit_length())
     pad = (-T) % C
     if pad:
         # Zero k, v, beta and g on padded steps: they neither decay nor write the state.
