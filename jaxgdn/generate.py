@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     args.num_speculative_tokens = args.num_speculative_tokens or 0
     if model is None:
         print(
-            "jaxgdn: no default checkpoint ships in checkpoints/ yet (the trained tiny model is a later issue).\n"
+            "jaxgdn: no default checkpoint in checkpoints/ (a clone without checkpoints/qwen35-tiny-arith?).\n"
             "Run with --model DIR (a Qwen3.5 checkpoint) or --model qwen3.5-0.8b (random weights) and a prompt.",
             file=sys.stderr,
         )
