@@ -20,7 +20,7 @@ from .input_batch import build_step
 from .params import ModelParams
 from .pd import export_handoff, import_handoff
 from .request import Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
-from .runner import ModelRunner
+from .runner import ModelRunner, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 
 
@@ -38,6 +38,8 @@ class LLMEngine:
                 f"EngineConfig: {num_pages - 1} usable KV pages cannot hold one sequence of max_model_len "
                 f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
             )
+        if ecfg.compilation_cache:
+            enable_compilation_cache()
         self.scheduler = Scheduler(ecfg, num_pages)
         state = init_engine_state(cfg, ecfg, num_pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage_seed)
         if device is not None:

@@ -19,7 +19,9 @@ class EngineConfig:
       accelerator's free memory when it reports it, else enough for every slot at max_model_len.
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
-    gdn_impl: GDN recurrence implementation for prefill chunks ("chunked", "scan" or a kernel).
+    gdn_impl: GDN recurrence: "auto" (Pallas kernels on a GPU, the XLA chunked form elsewhere),
+      "chunked", "scan", "pallas", "pallas_recurrent", "pallas_pool" (decode/verify rows on the in-place
+      pool kernel; opt-in until checked on a GPU) or a registered kernel.
     num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
     pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
     pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
@@ -27,6 +29,8 @@ class EngineConfig:
     reproduce_pd_mtp_bug: restore vLLM's pre-#47466 behaviour (unguarded last_sampled overwrite and the
       old spec-row rule num_computed >= num_prompt). For demonstrations and tests only.
     prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
+    compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
+      cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
     """
 
     max_num_seqs: int = 16
@@ -37,13 +41,14 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     enforce_eager: bool = False
     dtype: str = "bfloat16"
-    gdn_impl: str = "chunked"
+    gdn_impl: str = "auto"
     num_speculative_tokens: int = 0
     pd: bool = False
     pad_prompt_tail: bool = True
     reproduce_pd_mtp_bug: bool = False
     prefill_device: int | None = None
     decode_device: int | None = None
+    compilation_cache: bool = True
 
     def __post_init__(self):
         checks = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints
+from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints
 
 from .config import ModelConfig
 from .mlp import linear
@@ -41,7 +41,34 @@ def gdn_gates(p, a, b):
     return g, beta
 
 
-def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunked", num_valid=None,
+def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
+    """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
+    [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
+    Returns (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv] fp32, z [B,T,Hv,dv], new window, full inputs)."""
+    B, T, _ = x.shape
+    Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = linear(x, p.in_proj_qkv)
+    z = linear(x, p.in_proj_z).reshape(B, T, Hv, dv)
+    g, beta = gdn_gates(p, linear(x, p.in_proj_a), linear(x, p.in_proj_b))
+    if num_valid is not None:
+        valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
+        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    u, conv, full = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
+    q = u[..., :Kd].reshape(B, T, Hk, dk)
+    k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
+    v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)
+    return q, k, v, g, beta, z, conv, full
+
+
+def gdn_output(p, cfg: ModelConfig, o, z, dtype):
+    """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]."""
+    B, T = o.shape[:2]
+    y = gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
+    return linear(y.reshape(B, T, -1), p.out_proj)
+
+
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto", num_valid=None,
               spec_window: int = 0):
     """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros);
     num_valid: optional [B] real tokens per row. Padded steps get g = 0 and beta = 0, so they neither
@@ -54,27 +81,20 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "chunk
     Returns (out [B, T, H], new GDNState) or, with spec_window, (out, new GDNState, checkpoints).
     """
     B, T, _ = x.shape
-    Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
-    mixed = linear(x, p.in_proj_qkv)
-    z = linear(x, p.in_proj_z).reshape(B, T, Hv, dv)
-    g, beta = gdn_gates(p, linear(x, p.in_proj_a), linear(x, p.in_proj_b))
-    if num_valid is not None:
-        valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
-        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-    u, conv, full = causal_conv_silu(mixed, state.conv, p.conv1d, num_valid)
-    q = u[..., :Kd].reshape(B, T, Hk, dk)
-    k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
-    v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)
-    o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl)
-    y = gated_rms_norm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps, x.dtype)
-    out = linear(y.reshape(B, T, Hv * dv), p.out_proj)
+    q, k, v, g, beta, z, conv, full = gdn_inputs(p, cfg, x, state.conv, num_valid)
+    W = spec_window + 1  # the caller guarantees T >= 1 + K
+    if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
+        o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
+    else:
+        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl)
+        if spec_window:
+            head = lambda a: a[:, :W]  # noqa: E731
+            _, _, states = gated_delta_rule_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm,
+                                                        impl=impl)
+    out = gdn_output(p, cfg, o, z, x.dtype)
     if not spec_window:
         return out, GDNState(conv=conv, ssm=ssm)
-    W = spec_window + 1  # the caller guarantees T >= 1 + K
-    head = lambda a: a[:, :W]  # noqa: E731
-    _, _, states = gdn_recurrent_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm)
     checkpoints = GDNState(conv=full[:, 1 : cfg.linear_conv_kernel_dim + spec_window], ssm=states)
     return out, GDNState(conv=conv, ssm=ssm), checkpoints

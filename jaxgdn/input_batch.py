@@ -3,7 +3,8 @@
 The flat ragged layout follows vLLM: input_ids[T], query_start_loc[R+1], seq_lens[R], idx_mapping[R],
 cu_num_logits[R+1], per-slot prefill_len[S]. The host places only prompt tokens (positions below
 prefill_len); sampled and draft tokens are placed on device by the input-assembly kernel. T, R and the
-row width Q are padded to powers of two (one jit trace per bucket triple) unless enforce_eager.
+row width Q and block-table width MP are padded to powers of two (one jit trace per bucket) unless
+enforce_eager.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ class StepArrays:
     request_ids: np.ndarray  # [R] uint32
 
     @property
-    def shape_key(self) -> tuple[int, int, int]:
-        return (self.input_ids.shape[0], self.idx_mapping.shape[0], self.token_index.shape[1])
+    def shape_key(self) -> tuple[int, int, int, int]:
+        """(T, R, Q, MP): one compiled program per distinct key."""
+        return (self.input_ids.shape[0], self.idx_mapping.shape[0], self.token_index.shape[1],
+                self.block_tables.shape[1])
 
 
 def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray) -> StepArrays:
@@ -71,7 +74,12 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
     if num_spec:  # verification checkpoints read the first 1+K cells of every row
         Q = max(Q, 1 + num_spec)
         T = max(T, Q)
-    MP, ps = ecfg.max_pages_per_seq, ecfg.kv_page_size
+    ps = ecfg.kv_page_size
+    # Block tables as wide as this step's longest row needs (+K for the MTP chain's draft positions),
+    # padded to a power of two: attention reads MP pages per row, so a max_model_len-wide table would
+    # make every decode step read the whole context window.
+    need = max((-(-(r.request.num_computed + r.num_tokens + num_spec) // ps) for r in rows), default=1)
+    MP = ecfg.max_pages_per_seq if ecfg.enforce_eager else min(bucket(need), ecfg.max_pages_per_seq)
 
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -113,7 +121,7 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         token_index[b, :n] = np.arange(t, t + n)
         row_pos[b, :n] = pos
         pages = np.asarray(req.pages, np.int32)
-        block_tables[b, : len(pages)] = pages
+        block_tables[b, : min(len(pages), MP)] = pages[:MP]
         kv_slots[b, :n] = pages[pos // ps] * ps + pos % ps
         fresh[b] = start == 0
         verify_path[b] = runs_verify_path(row, ecfg.reproduce_pd_mtp_bug)

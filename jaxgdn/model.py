@@ -58,7 +58,7 @@ def forward(
     input_ids,
     cache: ModelCache | None = None,
     *,
-    gdn_impl: str = "chunked",
+    gdn_impl: str = "auto",
     compute_logits: bool = True,
 ):
     """input_ids: [B, T] int. Returns (logits [B, T, V] or None, hidden [B, T, H] after the final norm,

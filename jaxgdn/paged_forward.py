@@ -15,9 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from .attention import gqa_attention, project_qkv_gate
+from pallas_kernels.gdn import use_pooled_recurrent
+from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
+
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
-from .gdn import gdn_layer
+from .gdn import gdn_inputs, gdn_layer, gdn_output
 from .mlp import linear
 from .model import residual_block
 from .mtp import mtp_fc_input
@@ -73,18 +76,29 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
     return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
 
 
+def _read_conv(slots: GDNSlots, view: RowView, offset, kc: int):
+    """[R, Kc-1, C]: each row's conv window at checkpoint offset; zeros for fresh rows."""
+    conv = jax.vmap(lambda c, o: jax.lax.dynamic_slice_in_dim(c, o, kc - 1, axis=0))(slots.conv[view.idx_mapping], offset)
+    return jnp.where(view.fresh[:, None, None], 0, conv)
+
+
+def _write_conv(slots: GDNSlots, view: RowView, window, verify_buffer):
+    """Non-verify rows write their new window at offset 0; verify rows the whole Kc-1+K buffer."""
+    idx = view.idx_mapping
+    kc1 = window.shape[1]
+    conv = slots.conv[idx].at[:, :kc1].set(window.astype(slots.conv.dtype))
+    if verify_buffer is not None:
+        conv = jnp.where(view.verify_path[:, None, None], verify_buffer.astype(slots.conv.dtype), conv)
+    return slots.conv.at[idx].set(conv)
+
+
 def read_gdn_state(slots: GDNSlots, view: RowView, num_accepted, kc: int) -> GDNState:
     """Each row's committed state: checkpoint num_accepted-1 and the conv window at that offset; zeros
     for fresh rows, so whatever a slot held before admission never leaks in."""
     idx = view.idx_mapping
     offset = num_accepted[idx] - 1  # [R] in [0, K]
     ssm = jax.vmap(lambda s, o: s[o])(slots.ssm[idx], offset)
-    conv = jax.vmap(lambda c, o: jax.lax.dynamic_slice_in_dim(c, o, kc - 1, axis=0))(slots.conv[idx], offset)
-    fresh = view.fresh
-    return GDNState(
-        conv=jnp.where(fresh[:, None, None], 0, conv),
-        ssm=jnp.where(fresh[:, None, None, None], 0, ssm),
-    )
+    return GDNState(conv=_read_conv(slots, view, offset, kc), ssm=jnp.where(view.fresh[:, None, None, None], 0, ssm))
 
 
 def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: GDNState | None) -> GDNSlots:
@@ -92,14 +106,33 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
     Verify-path rows write every checkpoint (state after each window position) and the whole
     Kc-1+K conv buffer; the next step selects with num_accepted."""
     idx = view.idx_mapping
-    kc1 = new.conv.shape[1]
-    final_conv = slots.conv[idx].at[:, :kc1].set(new.conv.astype(slots.conv.dtype))
     final_ssm = slots.ssm[idx].at[:, 0].set(new.ssm.astype(slots.ssm.dtype))
     if checkpoints is not None:
         v = view.verify_path
-        final_conv = jnp.where(v[:, None, None], checkpoints.conv.astype(slots.conv.dtype), final_conv)
         final_ssm = jnp.where(v[:, None, None, None, None], checkpoints.ssm.astype(slots.ssm.dtype), final_ssm)
-    return GDNSlots(conv=slots.conv.at[idx].set(final_conv), ssm=slots.ssm.at[idx].set(final_ssm))
+    conv = _write_conv(slots, view, new.conv, None if checkpoints is None else checkpoints.conv)
+    return GDNSlots(conv=conv, ssm=slots.ssm.at[idx].set(final_ssm))
+
+
+def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str):
+    """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
+
+    Short rows (decode, spec verification) on the Pallas path run the in-place pool kernel: it reads
+    checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the pool,
+    with no gathered copy of the states. Otherwise the states are gathered, run, and scattered back."""
+    kc = cfg.linear_conv_kernel_dim
+    K = slots.ssm.shape[1] - 1
+    R, Q, _ = h.shape
+    if not use_pooled_recurrent(gdn_impl, Q, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+        start = read_gdn_state(slots, view, num_accepted, kc)
+        res = gdn_layer(p, cfg, h, start, impl=gdn_impl, num_valid=view.num_valid, spec_window=K)
+        out, new, checkpoints = res if K else (*res, None)
+        return out, write_gdn_state(slots, view, new, checkpoints)
+    offset = num_accepted[view.idx_mapping] - 1
+    q, k, v, g, beta, z, window, full = gdn_inputs(p, cfg, h, _read_conv(slots, view, offset, kc), view.num_valid)
+    o, ssm = gdn_recurrent_pooled(q, k, v, g, beta, slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    verify_buffer = full[:, 1 : kc + K] if K else None
+    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=_write_conv(slots, view, window, verify_buffer), ssm=ssm)
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str):
@@ -113,7 +146,6 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     # Norms and MLPs run on the flat tokens; only the token mixers see the [R, Q] view, whose padding
     # (R*Q can be several times T in a mixed prefill/decode step) would otherwise multiply their cost.
     x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]  # [T, H]
-    num_valid = view.num_valid
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         p = params.layers[i]
@@ -125,11 +157,7 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
         else:
 
             def mixer_rows(h, p=p, s=layer_state):
-                start = read_gdn_state(s, view, state.num_accepted, cfg.linear_conv_kernel_dim)
-                K = s.ssm.shape[1] - 1
-                res = gdn_layer(p.mixer, cfg, h, start, impl=gdn_impl, num_valid=num_valid, spec_window=K)
-                out, new, checkpoints = res if K else (*res, None)
-                return out, write_gdn_state(s, view, new, checkpoints)
+                return gdn_rows(p.mixer, cfg, h, view, s, state.num_accepted, gdn_impl)
 
         def mixer(h_flat, mixer_rows=mixer_rows):
             out, new_state = mixer_rows(to_rows(h_flat))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import time
 from typing import Any
 
 import jax
@@ -131,6 +133,21 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
     return jnp.stack(drafts, axis=1), mtp_layers
 
 
+def enable_compilation_cache(directory: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (process-wide) unless the user already chose one.
+    Directory: the argument, else $JAXGDN_CACHE_DIR, else ~/.cache/jaxgdn/jax; an empty
+    $JAXGDN_CACHE_DIR turns it off. Returns the directory in use (None when off)."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    directory = directory if directory is not None else os.environ.get(
+        "JAXGDN_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxgdn", "jax"))
+    if not directory:
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return directory
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool):
     """One jitted step function per static setting, shared by every runner in the process, so engines
@@ -142,7 +159,7 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
 class ModelRunner:
     """Holds params and the device state; runs steps; counts compiled bucket shapes."""
 
-    def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "chunked",
+    def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None):
         self.device = device  # None: JAX's default device
         self.params = params
@@ -156,6 +173,19 @@ class ModelRunner:
         self.state = dataclasses.replace(self.state, draft_tokens=self.state.draft_tokens.at[slot].set(
             jnp.asarray(drafts, jnp.int32)))
 
+    def time_device_step(self, iters: int = 20) -> float:
+        """ms per call of the jitted step replayed back to back on the last step's arguments (the state
+        threads through; no host preparation, no token fetch): the device side of a step."""
+        def run(n):
+            for _ in range(n):
+                self.state, tokens, *_ = self._step(self.params, self.state, self.last_device_args)
+            jax.block_until_ready(tokens)
+
+        run(2)
+        t0 = time.perf_counter()
+        run(iters)
+        return (time.perf_counter() - t0) / iters * 1e3
+
     @property
     def num_compiled_shapes(self) -> int:
         return len(self.shapes_seen)
@@ -165,6 +195,7 @@ class ModelRunner:
         self.shapes_seen.add(arrays.shape_key)
         host_args = {k: v for k, v in vars(arrays).items() if k != "row_kind"}
         device_args = jax.device_put(host_args, self.device) if self.device is not None else jax.device_put(host_args)
+        self.last_device_args = device_args  # benchmarks replay it to time the device step alone
         self.state, tokens, num_sampled, drafts, ids = self._step(self.params, self.state, device_args)
         return StepResult(np.asarray(tokens), np.asarray(num_sampled), np.asarray(drafts), np.asarray(ids))
 

@@ -23,31 +23,46 @@ def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys):
     temperature/top_k/top_p [R]; keys [R, 1+K] position keys of the tokens being sampled.
 
     Returns (tokens [R, 1+K] (entries past num_sampled are -1), num_sampled [R] in [1, 1+n_draft]).
+    A step where every row is greedy skips the sort, softmax and noise over the vocabulary (a device-side
+    branch, no host sync); the greedy rows of a mixed step get the same argmax either way.
     """
+    args = (logits, drafts, n_draft, temperature, top_k, top_p, keys)
+    return jax.lax.cond(jnp.all(temperature == 0), lambda a: _verify(*a, stochastic=False),
+                        lambda a: _verify(*a, stochastic=True), args)
+
+
+def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool):
     R, W, V = logits.shape
     K = W - 1
-    t_rows = jnp.repeat(temperature, W)
-    logp = filtered_log_probs(logits.reshape(R * W, V), t_rows, jnp.repeat(top_k, W), jnp.repeat(top_p, W))
-    logp = logp.reshape(R, W, V)
     greedy = (temperature == 0)[:, None]
     argmax = jnp.argmax(logits, axis=-1)  # [R, W]
-    flat_keys = keys.reshape(-1)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat_keys).reshape(R, W, V)
-    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT)))(flat_keys).reshape(R, W)
-    plain = jnp.where(greedy, argmax, jnp.argmax(logp + gumbel, axis=-1))  # a token drawn from p_i
+    if stochastic:
+        t_rows = jnp.repeat(temperature, W)
+        logp = filtered_log_probs(logits.reshape(R * W, V), t_rows, jnp.repeat(top_k, W), jnp.repeat(top_p, W))
+        logp = logp.reshape(R, W, V)
+        flat_keys = keys.reshape(-1)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat_keys).reshape(R, W, V)
+        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT)))(flat_keys).reshape(R, W)
+        plain = jnp.where(greedy, argmax, jnp.argmax(logp + gumbel, axis=-1))  # a token drawn from p_i
+    else:
+        plain = argmax
 
     if K == 0:
         return plain.astype(jnp.int32), jnp.ones((R,), jnp.int32)
     d = drafts  # [R, K]
     d_valid = (d >= 0) & (d < V)
     d_safe = jnp.clip(d, 0, V - 1)
-    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :K], d_safe[..., None], axis=-1)[..., 0])  # [R, K]
-    accept = jnp.where(greedy, d == argmax[:, :K], uniform[:, :K] < p_draft)
+    if stochastic:
+        p_draft = jnp.exp(jnp.take_along_axis(logp[:, :K], d_safe[..., None], axis=-1)[..., 0])  # [R, K]
+        accept = jnp.where(greedy, d == argmax[:, :K], uniform[:, :K] < p_draft)
+        # Residual after rejecting draft i: p_i without the draft token (q is one-hot on it).
+        masked = jnp.where(jax.nn.one_hot(d_safe, V, dtype=bool) & d_valid[..., None], -jnp.inf, logp[:, :K])
+        recovered = jnp.where(greedy, argmax[:, :K], jnp.argmax(masked + gumbel[:, :K], axis=-1))
+    else:
+        accept = d == argmax[:, :K]
+        recovered = argmax[:, :K]
     accept = accept & d_valid & (jnp.arange(K)[None, :] < n_draft[:, None])
     n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts
-    # Residual after rejecting draft i: p_i without the draft token (q is one-hot on it).
-    masked = jnp.where(jax.nn.one_hot(d_safe, V, dtype=bool) & d_valid[..., None], -jnp.inf, logp[:, :K])
-    recovered = jnp.where(greedy, argmax[:, :K], jnp.argmax(masked + gumbel[:, :K], axis=-1))
     recovered = jnp.concatenate([recovered, plain[:, K:]], axis=1)  # [R, W]
     final = jnp.where(n_acc < n_draft, jnp.take_along_axis(recovered, n_acc[:, None], 1)[:, 0],
                       jnp.take_along_axis(plain, n_acc[:, None], 1)[:, 0])

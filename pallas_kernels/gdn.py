@@ -19,6 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from .gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas, pooled_kernel_supports
+
 CHUNK_SIZE = 64
 
 
@@ -122,8 +124,41 @@ def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SI
     return o.transpose(0, 2, 1, 3), state
 
 
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# Short inputs (decode, spec-verify windows) run the token loop; longer ones the chunked form.
+RECURRENT_MAX_T = 16
+
+
+def gdn_auto(q, k, v, g, beta, initial_state=None):
+    """The Pallas kernels on a GPU (recurrent for T <= RECURRENT_MAX_T, chunked above), the XLA chunked
+    form elsewhere: interpreting a Pallas kernel on CPU is for tests, not for serving."""
+    if not _on_gpu():
+        return gdn_chunked(q, k, v, g, beta, initial_state)
+    if q.shape[1] <= RECURRENT_MAX_T:
+        return gdn_recurrent_pallas(q, k, v, g, beta, initial_state)
+    return gdn_chunked_pallas(q, k, v, g, beta, initial_state)
+
+
+def use_pooled_recurrent(impl: str, T: int, dk: int, dv: int) -> bool:
+    """Whether the engine runs rows of T tokens with the in-place pool kernel (`gdn_recurrent_pooled`):
+    impl "pallas_pool", short rows, tile-sized heads. Opt-in until a GPU run has checked it against the
+    reference inside the engine (it passes in interpret mode and lowers to Triton); "auto" uses the
+    GPU-checked kernels on gathered states."""
+    return impl == "pallas_pool" and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
+
+
 GDNImpl = Callable[..., tuple]
-_IMPLS: dict[str, GDNImpl] = {"scan": gdn_recurrent_reference, "chunked": gdn_chunked}
+_IMPLS: dict[str, GDNImpl] = {
+    "auto": gdn_auto,
+    "chunked": gdn_chunked,
+    "scan": gdn_recurrent_reference,
+    "pallas": gdn_chunked_pallas,
+    "pallas_recurrent": gdn_recurrent_pallas,
+    "pallas_pool": gdn_auto,  # outside the engine's short rows it is the "auto" choice
+}
 
 
 def register_gdn_impl(name: str, fn: GDNImpl) -> None:
@@ -135,10 +170,19 @@ def available_gdn_impls() -> tuple[str, ...]:
     return tuple(_IMPLS)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "chunked"):
-    """Dispatch to the implementation named `impl` ("chunked", "scan", or a registered kernel)."""
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
+    """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
+    "pallas_recurrent" or a registered kernel)."""
     try:
         fn = _IMPLS[impl]
     except KeyError:
         raise ValueError(f"unknown GDN implementation {impl!r}; available: {available_gdn_impls()}") from None
     return fn(q, k, v, g, beta, initial_state)
+
+
+def gated_delta_rule_checkpoints(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
+    """(o, final_state, states [B, T, Hv, dk, dv]): the state after every step, for spec verification.
+    The Pallas recurrent kernel on a GPU unless impl names an XLA form; the checkpointing scan otherwise."""
+    if impl in ("pallas", "pallas_recurrent") or (impl in ("auto", "pallas_pool") and _on_gpu()):
+        return gdn_recurrent_pallas(q, k, v, g, beta, initial_state, keep_states=True)
+    return gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state)

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache in tests (hermetic runs); test_engine checks the switch itself.
+os.environ.setdefault("JAXGDN_CACHE_DIR", "")
 
 import jax  # noqa: E402
 import torch  # noqa: E402

@@ -167,3 +167,22 @@ def test_default_bf16_config_serves_like_fp32():
     prompts = [prompt(1100 + i, n) for i, n in enumerate((1, 5, 30))]
     rids = run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=4)] * 3)
     assert [D.output(r).token_ids for r in rids] == [reference(p, 4) for p in prompts]
+
+
+def test_persistent_compilation_cache_switch(tmp_path, monkeypatch):
+    """Off with an empty $JAXGDN_CACHE_DIR; on at the given directory otherwise; a directory the user
+    configured in JAX first is left alone."""
+    import jax
+
+    from jaxgdn.runner import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("JAXGDN_CACHE_DIR", "")
+        assert enable_compilation_cache() is None and not jax.config.jax_compilation_cache_dir
+        monkeypatch.setenv("JAXGDN_CACHE_DIR", str(tmp_path / "a"))
+        assert enable_compilation_cache() == str(tmp_path / "a") == jax.config.jax_compilation_cache_dir
+        assert enable_compilation_cache(str(tmp_path / "b")) == str(tmp_path / "a")  # already chosen
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

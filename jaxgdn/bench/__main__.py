@@ -1,0 +1,142 @@
+"""`python -m jaxgdn.bench SUBCOMMAND`: benchmarks that print a table and write JSON to bench/results/.
+
+Sub-commands:
+  engine   steps/s, tokens/s and compiled-shape count of the engine on a tiny random model (CPU-friendly)
+  kernels  our Pallas GDN kernels vs fla's Triton kernels and the roofline (GPU; fla optional)
+  decode   engine decode steps on the 0.8B config vs the bandwidth roofline and transformers
+  prefill  engine prefill steps on the 0.8B config vs the FLOP floor and transformers
+  spec     MTP K=0..3: real acceptance on the shipped model; measured step cost x modeled acceptance on 0.8B
+  pd       PD handoff bytes, serialisation and device-move time per request (one and two devices)
+  startup  fresh-process time to a finished workload, cold vs with the persistent compilation cache
+  table    print the README's markdown tables from bench/results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .common import environment, write_result
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """'BxT' -> (B, T)."""
+    try:
+        b, t = text.lower().split("x")
+        return int(b), int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BxT like 8x2048, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxgdn.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-save", action="store_true", help="print only, write no JSON")
+    common.add_argument("--out", default=None, help="JSON path (default bench/results/<command>_<backend>_<date>.json)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add = lambda name, help: sub.add_parser(name, help=help, parents=[common])  # noqa: E731
+    e = add("engine", "engine steps/s and compile count on a tiny random model")
+    e.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    e.add_argument("--prompt-len", type=int, default=32)
+    e.add_argument("--max-tokens", type=int, default=64)
+    e.add_argument("--enforce-eager", action="store_true")
+    k = add("kernels", "GDN prefill and decode/verify kernels vs fla and the roofline")
+    k.add_argument("--heads", type=int, default=16)
+    k.add_argument("--head-dim", type=int, default=128)
+    k.add_argument("--prefill-shapes", type=_shape, nargs="*", default=None, help="BxT list (default 1x4096 1x16384 8x2048)")
+    k.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
+    k.add_argument("--decode-shapes", type=_shape, nargs="*", default=None, help="BxT list, T = 1+K (default 1x1 64x1 64x2 64x3 64x4)")
+    for name, help in (("decode", "engine decode ms/step and tok/s vs roofline and transformers"),
+                       ("prefill", "engine prefill time vs the FLOP floor and transformers")):
+        m = add(name, help)
+        m.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
+        m.add_argument("--no-peer", action="store_true", help="skip transformers")
+        if name == "decode":
+            m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+            m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
+            m.add_argument("--prompt-len", type=int, default=64)
+            m.add_argument("--steps", type=int, default=32, help="decode steps timed (median)")
+            m.add_argument("--peer-steps", type=int, default=16)
+            m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
+        else:
+            m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
+            m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")
+    sp = add("spec", "MTP speculative decoding: acceptance, tokens/s, where it pays")
+    sp.add_argument("--shipped-model", default=str(DEFAULT_MODEL), help="checkpoint with an MTP head and tokenizer")
+    sp.add_argument("--num-prompts", type=int, default=32)
+    sp.add_argument("--max-tokens", type=int, default=48)
+    sp.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3])
+    sp.add_argument("--model", default="qwen3.5-0.8b", help="preset for the modeled rows ('' to skip)")
+    sp.add_argument("--batch", type=int, default=32)
+    sp.add_argument("--prompt-len", type=int, default=64)
+    sp.add_argument("--steps", type=int, default=16)
+    sp.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    pd = add("pd", "PD handoff size and cost per request")
+    pd.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
+    pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
+    su = add("startup", "start-up and compile time, cold and with the persistent compilation cache")
+    su.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
+    su.add_argument("--requests", type=int, default=8)
+    su.add_argument("--prompt-len", type=int, default=64)
+    su.add_argument("--max-tokens", type=int, default=16)
+    su.add_argument("--k", type=int, default=1, help="MTP drafts (0 = none)")
+    su.add_argument("--cache-dir", default=None, help="empty directory for the cache (default: a new temp dir)")
+    su.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    t = sub.add_parser("table", help="markdown tables from result JSON files")
+    t.add_argument("files", nargs="*", help="result files (default: the newest of each benchmark in bench/results)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "table":
+        from .tables import print_tables
+
+        return print_tables(args.files)
+    if args.command == "startup" and args.child:
+        import json
+
+        from .startup import child_run
+
+        print(json.dumps(child_run(args)))
+        return 0
+    # JAX takes 75% of GPU memory up front by default; torch peers (transformers, fla) run in the same
+    # process and need room. Set before JAX initialises its backend; an explicit setting wins.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    if args.command == "engine":
+        from .engine import bench_engine as run
+    elif args.command == "kernels":
+        from .kernels import bench_kernels as run
+    elif args.command == "decode":
+        from .model import bench_decode as run
+    elif args.command == "prefill":
+        from .model import bench_prefill as run
+    elif args.command == "spec":
+        from .serving import bench_spec as run
+    elif args.command == "pd":
+        from .serving import bench_pd as run
+    elif args.command == "startup":
+        from .startup import bench_startup as run
+    env = environment()
+    out = Path(args.out) if args.out else None
+
+    def save_partial(payload: dict) -> None:
+        """Benchmarks call this after every row, so an interrupted run keeps the rows it measured."""
+        if not args.no_save:
+            write_result(args.command, {**payload, "complete": False, "env": env}, out)
+
+    args.save_partial = save_partial
+    payload = run(args)
+    payload["env"] = env
+    if not args.no_save:
+        print(f"wrote {write_result(args.command, {**payload, 'complete': True}, out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

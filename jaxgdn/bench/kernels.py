@@ -1,0 +1,130 @@
+"""`bench kernels`: our GDN kernels against fla's Triton kernels (same run, same inputs) and the roofline.
+
+Prefill: `gdn_chunked_pallas` vs fla `chunk_gated_delta_rule` (and our XLA chunked form).
+Decode / verify: `gdn_recurrent_pallas` (T = 1, and T = 1+K writing a checkpoint per position) vs fla
+`fused_recurrent_gated_delta_rule` (which writes only the final state). Both sides are checked against
+each other before they are timed: a kernel that is fast and wrong is reported as wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import measured_bandwidth_gbs, time_jax, time_torch
+
+PREFILL_SHAPES = ((1, 4096), (1, 16384), (8, 2048))
+DECODE_SHAPES = ((1, 1), (64, 1), (64, 2), (64, 3), (64, 4))
+
+
+def _inputs(B, T, H, d, seed=0):
+    """bf16 q, k, v; fp32 log decay g <= 0 and beta in (0, 1); fp32 initial state (numpy)."""
+    r = np.random.default_rng(seed)
+    q, k, v = (r.standard_normal((B, T, H, d)).astype(np.float32) for _ in range(3))
+    g = np.log(1 / (1 + np.exp(-r.standard_normal((B, T, H)) - 3))).astype(np.float32)  # log sigmoid: mild decay
+    beta = (1 / (1 + np.exp(-r.standard_normal((B, T, H))))).astype(np.float32)
+    s0 = (0.1 * r.standard_normal((B, H, d, d))).astype(np.float32)
+    return q, k, v, g, beta, s0
+
+
+def _bytes(B, T, H, d, checkpoints=False):
+    """Bytes that must move: q, k, v bf16 in, g and beta fp32 in, o fp32 out, state fp32 in and out
+    (and one fp32 state per position for verify checkpoints)."""
+    n = B * T * H
+    state = B * H * d * d * 4
+    return n * d * 2 * 3 + n * 8 + n * d * 4 + 2 * state + (B * T * H * d * d * 4 if checkpoints else 0)
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+
+
+def bench_kernels(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gdn import gdn_chunked, gdn_recurrent_checkpoints
+    from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        have_fla = torch.cuda.is_available()
+    except Exception as e:  # noqa: BLE001
+        print(f"fla unavailable ({type(e).__name__}: {e}); timing our kernels only")
+        have_fla = False
+
+    H, d = args.heads, args.head_dim
+    bw = measured_bandwidth_gbs(args.bandwidth_bytes)
+    print(f"measured bandwidth: {bw:.0f} GB/s (bf16 elementwise read+write)")
+    rows = []
+
+    def to_jax(x, bf16):
+        return jnp.asarray(x, jnp.bfloat16 if bf16 else jnp.float32)
+
+    def to_torch(x, bf16):
+        return torch.tensor(x, device="cuda", dtype=torch.bfloat16 if bf16 else torch.float32)
+
+    def run_case(kind, B, T):
+        q, k, v, g, beta, s0 = _inputs(B, T, H, d, seed=B * 7 + T)
+        beta = np.asarray(jnp.asarray(beta, jnp.bfloat16).astype(jnp.float32))  # fla gets bf16 beta: same values
+        jq, jk, jv = (to_jax(x, True) for x in (q, k, v))
+        jg, jb, js = (to_jax(x, False) for x in (g, beta, s0))
+        row = {"kind": kind, "B": B, "T": T, "H": H, "d": d}
+        if kind == "prefill":
+            ours = jax.jit(gdn_chunked_pallas)
+            xla = jax.jit(gdn_chunked)
+            o, s = ours(jq, jk, jv, jg, jb, js)
+            o_x, s_x = xla(jq, jk, jv, jg, jb, js)
+            row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
+            row["ours_ms"] = time_jax(ours, jq, jk, jv, jg, jb, js)
+            row["xla_chunked_ms"] = time_jax(xla, jq, jk, jv, jg, jb, js)
+            nbytes = _bytes(B, T, H, d)
+        else:
+            keep = T > 1  # verify windows write a checkpoint per position
+            ours = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=keep))
+            xla = jax.jit(gdn_recurrent_checkpoints)
+            res = ours(jq, jk, jv, jg, jb, js)
+            o_x, s_x, _ = xla(jq, jk, jv, jg, jb, js)
+            o, s = res[0], res[1]
+            row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
+            row["checkpoints_written"] = keep
+            row["ours_ms"] = time_jax(ours, jq, jk, jv, jg, jb, js, iters=100)
+            row["xla_scan_ms"] = time_jax(xla, jq, jk, jv, jg, jb, js, iters=100)
+            nbytes = _bytes(B, T, H, d, checkpoints=keep)
+        row["roofline_ms"] = nbytes / (bw * 1e9) * 1e3
+        if have_fla:
+            tq, tk, tv = (to_torch(x, True) for x in (q, k, v))
+            tg, tb, ts = to_torch(g, False), to_torch(beta, True), to_torch(s0, False)
+            fn = chunk_gated_delta_rule if kind == "prefill" else fused_recurrent_gated_delta_rule
+
+            def fla_call():
+                return fn(tq, tk, tv, g=tg, beta=tb, initial_state=ts, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+
+            with torch.no_grad():
+                fo, fs = fla_call()
+                # fla computes with bf16 beta; compare with ours fed the same rounded beta.
+                row["ours_vs_fla_rel_err"] = max(_rel_err(o, fo.float().cpu().numpy()),
+                                                 _rel_err(s, fs.float().cpu().numpy()))
+                row["fla_ms"] = time_torch(fla_call, iters=100 if kind != "prefill" else 20)
+            row["ratio_ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+        rows.append(row)
+        args.save_partial(payload())
+        fla = f"fla {row['fla_ms']:.3f} ms  ratio {row['ratio_ours_over_fla']:.2f}" if have_fla else "fla -"
+        ref = row.get("xla_chunked_ms", row.get("xla_scan_ms"))
+        print(f"{kind:8s} B{B:<3d} T{T:<6d} ours {row['ours_ms']:.3f} ms  {fla}  xla {ref:.3f} ms  "
+              f"roofline {row['roofline_ms']:.3f} ms  err vs xla {row['ours_vs_xla_rel_err']:.1e}"
+              + (f" vs fla {row['ours_vs_fla_rel_err']:.1e}" if have_fla else ""), flush=True)
+
+    def payload():
+        return {"benchmark": "kernels", "bandwidth_gbs": bw, "dtype": "bf16 q/k/v, fp32 g/beta/state",
+                "timing": "ms per call, back-to-back calls, median of 5 runs (launch overhead included)",
+                "rows": rows}
+
+    for B, T in args.prefill_shapes or PREFILL_SHAPES:
+        run_case("prefill", B, T)
+    for B, T in args.decode_shapes or DECODE_SHAPES:
+        run_case("decode" if T == 1 else "verify", B, T)
+    return payload()

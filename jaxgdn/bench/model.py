@@ -1,0 +1,283 @@
+"""`bench decode` and `bench prefill`: the engine on the Qwen3.5-0.8B configuration with random bf16
+weights, against the roofline measured in the same run and against transformers (+ fla when installed).
+
+decode:  ms per engine step (host preparation, the jitted step and the token fetch included) with every
+         request decoding; roofline = bytes that must move per step (weights once, GDN states read and
+         written, KV read) over the measured bandwidth.
+prefill: wall time of the engine step that runs whole prompts (B x L in one step); FLOP floor = matmul
+         FLOPs (weights x tokens, causal attention, the chunked GDN's own products) over the measured
+         bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .common import measured_bandwidth_gbs, measured_matmul_tflops
+
+
+def load_model(model: str, include_mtp: bool = False):
+    """(params bf16, cfg): a preset name (random weights) or a checkpoint directory."""
+    import jax.numpy as jnp
+
+    from ..config import PRESETS
+    from ..params import init_random_params
+
+    if model in PRESETS:
+        cfg = PRESETS[model]()
+        return init_random_params(cfg, seed=0, dtype=jnp.bfloat16, include_mtp=include_mtp), cfg
+    from ..checkpoint import load_checkpoint
+
+    cfg, params = load_checkpoint(model, dtype=jnp.bfloat16, include_mtp=include_mtp)
+    return params, cfg
+
+
+def model_sizes(params, cfg) -> dict:
+    """Bytes and matmul parameters of the trunk (MTP excluded). A tied lm_head is the embedding matrix."""
+    import jax
+
+    trunk = dict(vars(params))
+    trunk.pop("mtp", None)
+    leaves = jax.tree_util.tree_leaves(trunk)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    embed = params.embed_tokens.size
+    matmul_params = sum(x.size for x in leaves if x.ndim == 2) - embed  # per-token linears, no lm_head
+    return {"weight_bytes": int(weight_bytes), "matmul_params": int(matmul_params), "lm_head_params": int(embed)}
+
+
+def _layer_counts(cfg):
+    from ..config import FULL_ATTENTION
+
+    n_attn = sum(t == FULL_ATTENTION for t in cfg.layer_types)
+    return n_attn, len(cfg.layer_types) - n_attn
+
+
+def decode_bytes(cfg, sizes: dict, batch: int, context: int) -> int:
+    """Bytes one decode step must move: every weight once, each sequence's fp32 GDN state read and
+    written, its conv window, and its attention KV (bf16) read."""
+    n_attn, n_gdn = _layer_counts(cfg)
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_key_dim + cfg.linear_value_dim) * 2
+    kv = context * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    return sizes["weight_bytes"] + batch * (n_gdn * 2 * (state + conv) + n_attn * kv)
+
+
+def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
+    """Matmul FLOPs of a prefill: linears per token, causal attention, the GDN chunk products, and the
+    lm_head for one token per sequence."""
+    n_attn, n_gdn = _layer_counts(cfg)
+    tokens = batch * length
+    linear = 2 * sizes["matmul_params"] * tokens
+    attn = n_attn * batch * 2 * length * length * cfg.num_attention_heads * cfg.head_dim  # QKᵀ and PV, causal half
+    d, C = cfg.linear_key_head_dim, 64
+    gdn = n_gdn * tokens * cfg.linear_num_value_heads * (6 * d * d + 8 * C * d)
+    return linear + attn + gdn + 2 * sizes["lm_head_params"] * batch
+
+
+def _engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0):
+    from ..engine import LLMEngine
+    from ..engine_config import EngineConfig
+
+    ps = 16
+    pages = batch * -(-max_model_len // ps) + 1
+    ecfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+                        kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K)
+    return LLMEngine(params, cfg, ecfg)
+
+
+def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0) -> dict:
+    """Median wall time of the engine's decode steps (after the prompt steps and one compile step)."""
+    from ..request import SamplingParams
+
+    warm = 3
+    eng = _engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
+                  max_batched=max(256, batch * prompt_len), K=K)
+    rng = np.random.default_rng(batch)
+    sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
+    times, t_first = [], time.perf_counter()
+    while eng.has_unfinished:
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    decode = times[1 + warm :]  # step 0 runs the prompts; the next ones compile the decode bucket
+    generated = sum(len(r.output_token_ids) for r in eng.requests.values())
+    return {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(), "steps": len(times), "generated": generated,
+            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
+            "spec": eng.spec_metrics() if K else None}
+
+
+def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3) -> float:
+    """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens."""
+    from ..request import SamplingParams
+
+    eng = _engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length)
+    rng = np.random.default_rng(length)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    runs = []
+    for i in range(repeats + 1):  # the first run compiles
+        for _ in range(batch):
+            eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, length)], sp)
+        t0 = time.perf_counter()
+        steps = 0
+        while eng.has_unfinished:
+            eng.step()
+            steps += 1
+        assert steps == 1, f"prefill of {batch}x{length} took {steps} steps"
+        if i:
+            runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) * 1e3
+
+
+# ----------------------------------------------------------------------------- transformers peer
+
+
+def hf_model(cfg, dtype="bfloat16"):
+    """transformers' Qwen3_5ForCausalLM at cfg with its own random init, on CUDA (fla used if installed)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**d), dtype=getattr(torch, dtype))
+    return model.cuda().eval()
+
+
+def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> float:
+    """ms per greedy decode step of a plain forward loop with transformers' cache (no generate() overhead)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt.cpu()  # a server needs the token on the host each step
+            times.append(time.perf_counter() - t0)
+            cache = out.past_key_values
+    return statistics.median(times[2:]) * 1e3
+
+
+def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 3) -> float:
+    import torch
+
+    ids = torch.randint(0, vocab, (batch, length), device="cuda")
+    runs = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.argmax(-1).cpu()
+            if i:
+                runs.append(time.perf_counter() - t0)
+    return statistics.median(runs) * 1e3
+
+
+def _peer(row: dict, key: str, ours_ms: float, measure, save) -> str:
+    """Save our row, then (measure not None) record the peer's time under row[key] and our speed-up over
+    it and save again. A peer failure (out of memory, a missing kernel) is recorded as
+    row["transformers_error"] instead of ending the benchmark. Returns the text for the printed line."""
+    save()  # ours is kept even if the peer fails
+    if measure is None:
+        return ""
+    try:
+        peer_ms = measure()
+    except Exception as e:  # noqa: BLE001
+        row["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        save()
+        return f"  transformers failed: {row['transformers_error']}"
+    row[key] = peer_ms
+    row["speedup_vs_transformers"] = peer_ms / ours_ms
+    save()
+    return f"  transformers {peer_ms:.2f} ms ({peer_ms / ours_ms:.1f}x)"
+
+
+def _hf_or_none(cfg, want: bool):
+    if not want:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("transformers peer skipped: torch has no CUDA device")
+            return None
+        return hf_model(cfg)
+    except Exception as e:  # noqa: BLE001
+        print(f"transformers peer skipped ({type(e).__name__}: {e})")
+        return None
+
+
+def _setup(args):
+    """(params, cfg, sizes, transformers model or None) for the decode and prefill benchmarks."""
+    params, cfg = load_model(args.model)
+    return params, cfg, model_sizes(params, cfg), _hf_or_none(cfg, not args.no_peer)
+
+
+def bench_decode(args) -> dict:
+    params, cfg, sizes, hf = _setup(args)
+    bw = measured_bandwidth_gbs(args.bandwidth_bytes)
+    rows = []
+    for batch in args.batch:
+        r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps)
+        context = args.prompt_len + args.steps
+        nbytes = decode_bytes(cfg, sizes, batch, context)
+        row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
+               "roofline_bytes": nbytes, "roofline_ms": nbytes / (bw * 1e9) * 1e3}
+        rows.append(row)
+        measure = None if hf is None or batch not in args.peer_batch else \
+            (lambda: hf_decode_ms(hf, cfg.vocab_size, batch, args.prompt_len, args.peer_steps))
+        peer = _peer(row, "transformers_ms_per_step", row["ms_per_step"], measure,
+                     lambda: args.save_partial(_decode_payload(args, sizes, bw, rows)))
+        print(f"decode batch {batch:4d}: {row['ms_per_step']:.3f} ms/step (device {row['device_ms_per_step']:.3f})  "
+              f"{row['tokens_per_s']:10.0f} tok/s  "
+              f"roofline {row['roofline_ms']:.3f} ms{peer}", flush=True)
+    return _decode_payload(args, sizes, bw, rows)
+
+
+DECODE_TIMING = "median wall time of an engine step (host prep + jitted step + token fetch), all rows decoding"
+PREFILL_TIMING = "median wall time of one engine step running whole prompts (host prep, step, token fetch)"
+
+
+def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
+    return {"benchmark": name, "model": _model_label(args.model), **sizes, **extra, "rows": rows}
+
+
+def _decode_payload(args, sizes, bw, rows) -> dict:
+    return _payload("decode", args, sizes, rows, bandwidth_gbs=bw, timing=DECODE_TIMING)
+
+
+def bench_prefill(args) -> dict:
+    params, cfg, sizes, hf = _setup(args)
+    tflops = measured_matmul_tflops(args.matmul_size)
+    rows = []
+    for batch, length in args.shapes:
+        ms = engine_prefill_ms(params, cfg, batch, length)
+        flops = prefill_flops(cfg, sizes, batch, length)
+        row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
+               "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3}
+        row["over_floor"] = ms / row["flop_floor_ms"]
+        rows.append(row)
+        measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
+        peer = _peer(row, "transformers_ms", ms, measure,
+                     lambda: args.save_partial(_prefill_payload(args, sizes, tflops, rows)))
+        print(f"prefill {batch}x{length}: {ms:.2f} ms  {row['tokens_per_s']:10.0f} tok/s  FLOP floor "
+              f"{row['flop_floor_ms']:.2f} ms ({row['over_floor']:.1f}x){peer}", flush=True)
+    return _prefill_payload(args, sizes, tflops, rows)
+
+
+def _prefill_payload(args, sizes, tflops, rows) -> dict:
+    return _payload("prefill", args, sizes, rows, matmul_tflops=tflops, timing=PREFILL_TIMING)
+
+
+def _model_label(model: str) -> str:
+    from ..config import PRESETS
+
+    return f"{model} config, random bf16 weights" if model in PRESETS else f"{model} (bf16)"

@@ -1,0 +1,93 @@
+"""`bench table`: the README's performance tables, printed from the committed result JSON (never typed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import RESULTS_DIR
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _source(d: dict, path: Path) -> str:
+    e = d["env"]
+    versions = ", ".join(f"{k} {e[k]}" for k in ("jax", "triton", "torch", "fla", "transformers") if e.get(k))
+    partial = "" if d.get("complete", True) else ", incomplete run"
+    return f"{e['device']} ({versions}), {e['date'][:10]}, `{path.relative_to(path.parents[2])}`{partial}"
+
+
+def _table(headers: list[str], rows: list[dict], cells) -> list[str]:
+    """Markdown lines: one header row, then cells(row) -> list of strings for each row."""
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + [
+        "| " + " | ".join(cells(r)) + " |" for r in rows]
+
+
+KERNEL_KIND = {"prefill": "chunked prefill", "decode": "decode", "verify": "verify (checkpoint per position)"}
+
+
+def kernels_table(d: dict) -> list[str]:
+    return _table(["kernel", "B", "T", "ours ms", "fla ms", "ours / fla", "roofline ms", "rel. err vs fla"], d["rows"],
+                  lambda r: [KERNEL_KIND[r["kind"]], str(r["B"]), str(r["T"]), _fmt(r["ours_ms"]), _fmt(r.get("fla_ms")),
+                             _fmt(r.get("ratio_ours_over_fla"), ".2f"), _fmt(r["roofline_ms"]),
+                             _fmt(r.get("ours_vs_fla_rel_err"), ".1e")])
+
+
+def decode_table(d: dict) -> list[str]:
+    return _table(["batch", "ms/step", "device ms/step", "tokens/s", "roofline ms", "transformers ms/step", "speed-up"],
+                  d["rows"],
+                  lambda r: [str(r["batch"]), _fmt(r["ms_per_step"]), _fmt(r.get("device_ms_per_step")),
+                             f"{r['tokens_per_s']:.0f}", _fmt(r["roofline_ms"]),
+                             _fmt(r.get("transformers_ms_per_step"), ".2f"), _fmt(r.get("speedup_vs_transformers"), ".1f")])
+
+
+def prefill_table(d: dict) -> list[str]:
+    return _table(["shape", "ms", "tokens/s", "FLOP floor ms", "over floor", "transformers ms", "speed-up"], d["rows"],
+                  lambda r: [f"{r['batch']}x{r['length']}", f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}",
+                             f"{r['flop_floor_ms']:.2f}", f"{r['over_floor']:.1f}x", _fmt(r.get("transformers_ms"), ".1f"),
+                             _fmt(r.get("speedup_vs_transformers"), ".1f")])
+
+
+def spec_table(d: dict) -> list[str]:
+    return _table(["K", "tokens/s (shipped model)", "mean acceptance length"], d["rows_shipped"],
+                  lambda r: [str(r["K"]), f"{r['tokens_per_s']:.0f}", _fmt(r.get("mean_acceptance_length"), ".2f")])
+
+
+def pd_table(d: dict) -> list[str]:
+    return _table(["prompt", "placement", "handoff MB", "to_bytes ms", "from_bytes ms", "device move ms"], d["rows"],
+                  lambda r: [str(r["prompt_len"]), r["placement"], f"{r['handoff_bytes'] / 1e6:.2f}",
+                             f"{r['to_bytes_ms']:.2f}", f"{r['from_bytes_ms']:.2f}", f"{r['device_move_ms']:.3f}"])
+
+
+def startup_table(d: dict) -> list[str]:
+    return _table(["run", "model load s", "workload s (compiles included)", "total s", "compiled shapes"], d["rows"],
+                  lambda r: [r["run"], f"{r['load_s']:.1f}", f"{r['workload_s']:.1f}", f"{r['total_s']:.1f}",
+                             str(r["compiled_shapes"])])
+
+
+TABLES = {"kernels": kernels_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table, "pd": pd_table,
+          "startup": startup_table}
+
+
+def newest_results(directory: Path = RESULTS_DIR) -> list[Path]:
+    """The newest GPU result file of each benchmark with a table."""
+    newest: dict[str, Path] = {}
+    for path in sorted(directory.glob("*_gpu_*.json")):
+        name = path.name.split("_gpu_")[0]
+        if name in TABLES:
+            newest[name] = path  # sorted by date stamp: later wins
+    return [newest[n] for n in TABLES if n in newest]
+
+
+def print_tables(files) -> int:
+    paths = [Path(f) for f in files] or newest_results()
+    if not paths:
+        print("no GPU result files in bench/results")
+        return 1
+    for path in paths:
+        d = json.loads(path.read_text())
+        print(f"**{d['benchmark']}** — {_source(d, path.resolve())}\n")
+        print("\n".join(TABLES[d["benchmark"]](d)) + "\n")
+    return 0

@@ -1,0 +1,323 @@
+"""Pallas kernels of the gated delta rule (Triton lowering on GPU, interpret mode on CPU).
+
+Same math and shapes as `pallas_kernels/gdn.py` (its `gdn_recurrent_reference` is the reference):
+q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv] fp32; state [B, Hv, dk, dv] fp32.
+Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scale happen in-kernel.
+
+- `gdn_recurrent_pallas`: the token loop, one program per (row, value head, dv block) holding its
+  [dk, BV] state tile in registers. Decode (T=1) and spec verification (T=1+K, `keep_states=True`
+  writes the state after every position, the checkpoints rollback selects from).
+- `gdn_recurrent_pooled`: the same loop reading and writing the engine's slot pool in place: it starts
+  from checkpoint `num_accepted - 1` of the row's slot (zeros for a fresh row) and writes one checkpoint
+  per window position (verify rows) or the final state (other rows), with no gathered copy of states.
+- `gdn_chunked_pallas`: the chunked (WY) form in three kernels. `_prep_kernel` runs over all chunks in
+  parallel: cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward
+  substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and
+  Kd = e^{γ_last-γ}K. `_scan_kernel` is the only sequential part: per (row, head, dv block) it walks the
+  chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + KdᵀV', storing each chunk's
+  entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
+  Each row of the batch starts from its own initial state and chunks never cross rows.
+
+Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
+models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32.
+Triton needs power-of-two tiles: dk and dv are zero-padded up to one (exactly a no-op, see `_pad_heads`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+CHUNK = 64  # tokens per chunk of the chunked form
+SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
+f32 = jnp.float32
+
+
+def _interpret_default(interpret):
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _dot(a, b, dtype):
+    """a @ b with operands cast to dtype, fp32 accumulation; HIGHEST keeps fp32 operands off TF32."""
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=f32, precision=lax.Precision.HIGHEST)
+
+
+def _pad_heads(q, k, v, initial_state):
+    """Zero state when None, fp32; then zero-pad dk, dv to powers of two >= 16. Zero key/query columns
+    leave the norms and the state's real rows unchanged; zero value columns stay zero in the state and
+    the output. Exact no-op."""
+    B, _, _, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    initial_state = jnp.zeros((B, Hv, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
+    pk, pv = max(16, pl.next_power_of_2(dk)) - dk, max(16, pl.next_power_of_2(dv)) - dv
+    if pk:
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, pk)]) for x in (q, k))
+    if pv:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, pv)])
+    if pk or pv:
+        initial_state = jnp.pad(initial_state, [(0, 0), (0, 0), (0, pk), (0, pv)])
+    return q, k, v, initial_state, (dk, dv)
+
+
+def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
+    """dv tile: 64 (fewer recomputations) unless that leaves the GPU short of programs; >= 16."""
+    bv = min(dv, 64)
+    while bv > 16 and programs * (dv // bv) < target_programs:
+        bv //= 2
+    return bv
+
+
+# ----------------------------------------------------------------------------- recurrent (decode / verify)
+
+
+def _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S):
+    """One token of the recurrence on a [dk, BV] state tile: decay, delta-rule write, output row."""
+    q = _l2norm(q_ref[b, t, hk, :].astype(f32)) * scale
+    k = _l2norm(k_ref[b, t, hk, :].astype(f32))
+    v = v_ref[b, t, h, cols].astype(f32)
+    S = S * jnp.exp(g_ref[b, t, h])
+    pred = jnp.sum(S * k[:, None], axis=0)  # Sᵀk: [BV]
+    S = S + k[:, None] * (beta_ref[b, t, h] * (v - pred))[None, :]
+    o_ref[b, t, h, cols] = jnp.sum(S * q[:, None], axis=0).astype(o_ref.dtype)
+    return S
+
+
+def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, sT_ref, *ckpt_refs, T, group, BV, scale):
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+
+    def step(t, S):  # S: [dk, BV] fp32
+        S = _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S)
+        if ckpt_refs:
+            ckpt_refs[0][b, t, h, :, cols] = S
+        return S
+
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, T, step, s0_ref[b, h, :, cols].astype(f32))
+
+
+def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool = False, interpret=None,
+                         num_warps: int = 4):
+    """The recurrence as one kernel. Returns (o [B, T, Hv, dv] fp32, final state [B, Hv, dk, dv] fp32) and,
+    with keep_states, the state after every step [B, T, Hv, dk, dv] (the spec-verify checkpoints)."""
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, s0, _ = _pad_heads(q, k, v, initial_state)
+    dkp, dvp = q.shape[-1], v.shape[-1]
+    BV = _value_block(dvp, B * Hv)
+    out_shape = [jax.ShapeDtypeStruct((B, T, Hv, dvp), f32), jax.ShapeDtypeStruct((B, Hv, dkp, dvp), f32)]
+    if keep_states:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, Hv, dkp, dvp), f32))
+    kernel = functools.partial(_recurrent_kernel, T=T, group=Hv // Hk, BV=BV, scale=dk**-0.5)
+    outs = pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=(B, Hv, dvp // BV), interpret=_interpret_default(interpret),
+        compiler_params=_triton_params(num_warps),
+    )(q, k, v, g.astype(f32), beta.astype(f32), s0)
+    o, sT = outs[0][..., :dv], outs[1][:, :, :dk, :dv]
+    if keep_states:
+        return o, sT, outs[2][..., :dk, :dv]
+    return o, sT
+
+
+def _pooled_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in,
+                   o_ref, pool_ref, *, T, W, group, BV, scale):
+    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+    slot = slot_ref[b]
+    S = pool_ref[slot, start_ref[b], h, :, cols]
+    S = jnp.where(fresh_ref[b] != 0, 0.0, S)  # a fresh row never sees what the slot held before
+    verify = verify_ref[b] != 0
+
+    def step(t, S):
+        S = _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S)
+        # Verify rows keep the state after every window position: checkpoint t.
+        plt.store(pool_ref.at[slot, jnp.minimum(t, W - 1), h, :, cols], S, mask=jnp.full(S.shape, verify & (t < W)))
+        return S
+
+    S = lax.fori_loop(0, T, step, S)
+    plt.store(pool_ref.at[slot, jnp.int32(0), h, :, cols], S, mask=jnp.full(S.shape, jnp.logical_not(verify)))
+
+
+def pooled_kernel_supports(dk: int, dv: int) -> bool:
+    """The in-place kernel cannot pad the pool: head dims must already be Triton tiles."""
+    return all(d >= 16 and d == pl.next_power_of_2(d) for d in (dk, dv))
+
+
+def gdn_recurrent_pooled(q, k, v, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int = 4):
+    """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
+
+    q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, W, Hv, dk, dv] fp32 (W = 1+K
+    checkpoints per slot); slots [B] pool slot of each row; start [B] checkpoint to start from
+    (num_accepted - 1); fresh [B] start from zeros; verify [B] write the state after window position t
+    to checkpoint t (t < W), else write the final state to checkpoint 0.
+    Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
+    the null slot: what they write there is never read).
+    """
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    W = pool.shape[1]
+    assert pooled_kernel_supports(dk, dv), (dk, dv)
+    BV = _value_block(dv, B * Hv)
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, BV=BV, scale=dk**-0.5)
+    o, pool = pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(B, Hv, dv // BV), input_output_aliases={9: 1}, interpret=_interpret_default(interpret),
+        compiler_params=_triton_params(num_warps),
+    )(q, k, v, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
+    return o, pool
+
+
+def _triton_params(num_warps: int, num_stages: int = 1):
+    try:
+        from jax.experimental.pallas import triton as plt
+
+        return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except (ImportError, AttributeError):  # pragma: no cover - older/newer Pallas spellings
+        return None
+
+
+# ----------------------------------------------------------------------------- chunked (prefill)
+
+
+def _unit_lower_inverse(a):
+    """(I + a)⁻¹ for a strictly lower [n, n] fp32 tile, by forward substitution one row at a time:
+    row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series."""
+    n = a.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    inv = (r == c).astype(f32)
+    for i in range(1, n):
+        a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)  # row i of a, [n]
+        row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
+        inv = jnp.where(r == i, row[None, :], inv)
+    return inv
+
+
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
+    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    nsub = CHUNK // SUB
+    ks, kb, vb, gam = [], [], [], []
+    offset = jnp.zeros((), f32)
+    for i in range(nsub):
+        rows = pl.ds(c * CHUNK + i * SUB, SUB)
+        k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
+        beta = beta_ref[b, rows, h]
+        g = g_ref[b, rows, h]
+        gi = jnp.cumsum(g) + offset
+        offset = offset + jnp.sum(g)
+        gam_ref[b, rows, h] = gi
+        ks.append(k)
+        kb.append(k * beta[:, None])
+        vb.append(v_ref[b, rows, h, :].astype(f32) * beta[:, None])
+        gam.append(gi)
+    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+
+    def a_block(i, j):  # rows of sub-block i, columns of sub-block j (i >= j)
+        diff = gam[i][:, None] - gam[j][None, :]
+        if i == j:
+            diff = jnp.where(r > cc, diff, -jnp.inf)  # mask before exp: strict lower only
+        return _dot(kb[i], ks[j].T, dtype) * jnp.exp(diff)
+
+    A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i + 1)}
+    inv = {}
+    for i in range(nsub):
+        inv[i, i] = _unit_lower_inverse(A[i, i])
+        for j in range(i - 1, -1, -1):
+            # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
+            acc = sum(_dot(A[i, m], inv[m, j], f32) for m in range(j, i))
+            inv[i, j] = -_dot(inv[i, i], acc, f32)
+    for i in range(nsub):
+        rows = pl.ds(c * CHUNK + i * SUB, SUB)
+        u = sum(_dot(inv[i, j], vb[j], dtype) for j in range(i + 1))
+        w = sum(_dot(inv[i, j], kb[j] * jnp.exp(gam[j])[:, None], dtype) for j in range(i + 1))
+        u_ref[b, rows, h, :] = u.astype(u_ref.dtype)
+        w_ref[b, rows, h, :] = w.astype(w_ref.dtype)
+        kd_ref[b, rows, h, :] = (ks[i] * jnp.exp(offset - gam[i])[:, None]).astype(kd_ref.dtype)  # offset = γ_last
+
+
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype):
+    """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
+    only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
+    state and V' for the parallel output kernel."""
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(iv * BV, BV)
+
+    def chunk(n, S):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
+        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
+        vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
+        g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
+        return S * jnp.exp(g_last) + _dot(kd_ref[b, rows, h, :].T, v_new, dtype)
+
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
+
+
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, scale, dtype):
+    """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'."""
+    b, h, n, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+    rows = pl.ds(n * CHUNK, CHUNK)
+    r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
+    k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
+    gam = gam_ref[b, rows, h]
+    intra = _dot(q, k.T, dtype) * jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
+    o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
+    o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
+
+
+def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
+                       num_warps: int = 4):
+    """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32)."""
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, s0, _ = _pad_heads(q, k, v, initial_state)
+    dkp, dvp = q.shape[-1], v.shape[-1]
+    pad = (-T) % CHUNK
+    g, beta = g.astype(f32), beta.astype(f32)
+    if pad:  # padded steps: zero k, v, beta and g neither decay nor write the state
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        q, k, v, g, beta = (padt(x) for x in (q, k, v, g, beta))
+    Tp, N = T + pad, (T + pad) // CHUNK
+    # Intermediates are stored in the matmul operand dtype: the later kernels cast them to it anyway.
+    dtype = jnp.promote_types(v.dtype, q.dtype)
+    interpret = _interpret_default(interpret)
+    group = Hv // Hk
+    sds = jax.ShapeDtypeStruct
+    w, u, kd, gam = pl.pallas_call(
+        functools.partial(_prep_kernel, group=group, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv, dkp), dtype),
+                   sds((B, Tp, Hv), f32)),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=_triton_params(num_warps),
+    )(k, v, g, beta)
+    BV = block_v or _value_block(dvp, B * Hv)
+    h_enter, v_new, sT = pl.pallas_call(
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
+        out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=_triton_params(num_warps, num_stages=2),
+    )(w, u, kd, gam, s0)
+    BVO = min(dvp, 64)
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype),
+        out_shape=sds((B, Tp, Hv, dvp), f32),
+        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=_triton_params(num_warps),
+    )(q, k, gam, h_enter, v_new)
+    return o[:, :T, :, :dv], sT[:, :, :dk, :dv]

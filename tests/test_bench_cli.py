@@ -1,0 +1,77 @@
+"""`python -m jaxgdn.bench` sub-commands run end to end on CPU at tiny sizes and write complete JSON."""
+
+import json
+
+import pytest
+
+from jaxgdn.bench.__main__ import main
+from jaxgdn.bench.serving import expected_tokens_per_step
+from jaxgdn.bench.tables import TABLES, newest_results
+
+TINY = "checkpoints/qwen35-tiny-arith"
+
+
+def run(tmp_path, *argv):
+    out = tmp_path / "r.json"
+    assert main([*argv, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["env"]["backend"] == "cpu" and d["env"]["jax"]
+    return d
+
+
+def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
+    d = run(tmp_path, "kernels", "--heads", "2", "--head-dim", "16", "--prefill-shapes", "1x70", "--decode-shapes", "2x1", "2x3",
+            "--bandwidth-bytes", "1000000")
+    assert [r["kind"] for r in d["rows"]] == ["prefill", "decode", "verify"]
+    for r in d["rows"]:
+        assert r["ours_ms"] > 0 and r["ours_vs_xla_rel_err"] < 1e-2  # bf16 operands vs the fp32 XLA forms
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("decode", ["--batch", "1", "2", "--steps", "3", "--bandwidth-bytes", "1000000"]),
+    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128"]),
+])
+def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
+    d = run(tmp_path, command, "--model", TINY, "--no-peer", *extra)
+    assert len(d["rows"]) == 2 and d["weight_bytes"] > 0
+    for r in d["rows"]:
+        assert r["tokens_per_s"] > 0 and r.get("roofline_ms", r.get("flop_floor_ms")) > 0
+        assert "transformers_ms" not in r and "transformers_ms_per_step" not in r
+
+
+def test_spec_bench_measures_real_acceptance(tmp_path):
+    d = run(tmp_path, "spec", "--model", "", "--k", "0", "1", "--num-prompts", "2", "--max-tokens", "6")
+    no_mtp, mtp = d["rows_shipped"]
+    assert no_mtp["mean_acceptance_length"] is None and 1.0 <= mtp["mean_acceptance_length"] <= 2.0
+    assert no_mtp["generated"] == mtp["generated"] == 12  # greedy, same tokens either way
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(0.0, 3) == 1.0
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+    assert abs(expected_tokens_per_step(0.5, 2) - 1.75) < 1e-12
+
+
+def test_pd_bench_reports_handoff_bytes(tmp_path):
+    d = run(tmp_path, "pd", "--model", TINY, "--lengths", "8", "40")
+    small, large = d["rows"]
+    assert 0 < small["handoff_bytes"] < large["handoff_bytes"] and large["serialised_bytes"] >= large["handoff_bytes"]
+
+
+def test_tables_render_the_committed_results(capsys):
+    paths = newest_results()
+    assert paths, "bench/results has GPU result files"
+    assert main(["table", *map(str, paths)]) == 0
+    text = capsys.readouterr().out
+    for p in paths:
+        assert p.name in text
+    assert set(TABLES) >= {json.loads(p.read_text())["benchmark"] for p in paths}
+
+
+def test_startup_bench_warm_run_reuses_the_persistent_cache(tmp_path):
+    """Two fresh processes on one cache directory: the second loads compiled steps instead of compiling."""
+    d = run(tmp_path, "startup", "--model", TINY, "--requests", "2", "--prompt-len", "8", "--max-tokens", "4",
+            "--k", "1", "--cache-dir", str(tmp_path / "cache"))
+    cold, warm = d["rows"]
+    assert d["cache_files"] > 0 and cold["compiled_shapes"] == warm["compiled_shapes"] >= 2
+    assert warm["workload_s"] < 0.7 * cold["workload_s"]

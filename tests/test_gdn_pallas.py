@@ -1,0 +1,136 @@
+"""Pallas GDN kernels (interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the scan reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
+from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+from test_gdn_core import random_inputs
+
+
+def max_err(a, b):
+    return float(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)).max())
+
+
+@pytest.mark.parametrize("T", [1, 4, 37])
+def test_recurrent_kernel_with_checkpoints_equals_scan(T):
+    """Non-power-of-two dv (24) is padded inside; GVA with Hv = 2 Hk; one checkpoint per position."""
+    q, k, v, g, beta, s0 = random_inputs(T=T, seed=T)
+    o_ref, s_ref, states_ref = gdn_recurrent_checkpoints(q, k, v, g, beta, s0)
+    o, s, states = gdn_recurrent_pallas(q, k, v, g, beta, s0, keep_states=True)
+    assert o.shape == o_ref.shape and states.shape == states_ref.shape == (2, T, 4, 16, 24)
+    assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5 and max_err(states, states_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 64, 130])
+def test_chunked_kernel_equals_scan(T):
+    """Chunk boundaries (64), a partial last chunk, and every row of the batch from its own state."""
+    q, k, v, g, beta, s0 = random_inputs(T=T, seed=100 + T)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
+    assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+    # Rows are independent: running row 1 alone gives the same row.
+    one = lambda x: x[1:2]  # noqa: E731
+    o1, s1 = gdn_chunked_pallas(*(one(x) for x in (q, k, v, g, beta, s0)))
+    assert max_err(o1[0], o[1]) <= 1e-6 and max_err(s1[0], s[1]) <= 1e-6
+
+
+def test_chunked_kernel_strong_decay_is_finite():
+    q, k, v, g, beta, s0 = random_inputs(T=128, decay=(5.0, 30.0), seed=3)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    assert bool(jnp.isfinite(o).all()) and max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+
+def test_kernels_in_bf16_stay_close_to_fp32_reference():
+    """bf16 q/k/v (the served dtype): matmuls on bf16 operands, fp32 state; error at bf16 scale."""
+    q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=2, dk=32, dv=32, seed=9)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    for fn in (gdn_chunked_pallas, gdn_recurrent_pallas):
+        o, s = fn(bf(q), bf(k), bf(v), g, beta, s0)[:2]
+        scale = float(jnp.abs(o_ref).max())
+        assert max_err(o, o_ref) <= 3e-2 * scale, fn.__name__
+        assert max_err(s, s_ref) <= 3e-2 * float(jnp.abs(s_ref).max()), fn.__name__
+
+
+def test_pallas_impls_are_registered():
+    q, k, v, g, beta, s0 = random_inputs(T=5)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    for impl in ("pallas", "pallas_recurrent"):
+        o, s = gated_delta_rule(q, k, v, g, beta, s0, impl=impl)
+        assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "recurrent", "pooled"])
+def test_kernels_lower_to_triton_without_a_gpu(kernel):
+    """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
+    here, in CI, instead of on the device."""
+    import jax
+
+    q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=4, dk=128, dv=128)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    if kernel == "chunked":
+        fn = lambda *a: gdn_chunked_pallas(*a, interpret=False)  # noqa: E731
+    elif kernel == "recurrent":
+        fn = lambda *a: gdn_recurrent_pallas(*a, keep_states=True, interpret=False)  # noqa: E731
+    else:
+        from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
+
+        pool, slots = jnp.zeros((3, 2, 4, 128, 128)), jnp.array([2])
+        flag = jnp.array([True])
+        fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(q, k, v, g, b, pool, slots, slots - 1, flag, flag,  # noqa: E731
+                                                           interpret=False)
+    text = jax.jit(fn).trace(bf(q), bf(k), bf(v), g, beta, s0).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
+
+
+def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place():
+    """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
+    position to checkpoints 0..W-1, other rows write their final state to checkpoint 0; other slots
+    and checkpoints are untouched."""
+    from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
+
+    T, W = 3, 3
+    q, k, v, g, beta, _ = random_inputs(B=4, T=T, Hk=2, Hv=4, dk=16, dv=32, seed=5)
+    pool = jnp.asarray(np.random.default_rng(1).standard_normal((6, W, 4, 16, 32)), jnp.float32)
+    slots, start = jnp.array([2, 5, 1, 3]), jnp.array([1, 2, 0, 2])
+    fresh, verify = jnp.array([False, False, True, False]), jnp.array([True, False, True, False])
+    o, new = gdn_recurrent_pooled(q, k, v, g, beta, pool, slots, start, fresh, verify)
+    expect = np.asarray(pool).copy()
+    for b in range(4):
+        s0 = jnp.zeros_like(pool[0, 0]) if fresh[b] else pool[slots[b], start[b]]
+        o_ref, s_ref, states = gdn_recurrent_checkpoints(*(x[b : b + 1] for x in (q, k, v, g, beta)), s0[None])
+        assert max_err(o[b], o_ref[0]) <= 1e-5
+        if verify[b]:
+            expect[int(slots[b]), :W] = np.asarray(states[0, :W])
+        else:
+            expect[int(slots[b]), 0] = np.asarray(s_ref[0])
+    np.testing.assert_allclose(np.asarray(new), expect, atol=1e-5)
+
+
+def test_engine_with_pool_kernel_equals_plain_greedy():
+    """PD + MTP K=2 with the Pallas path (interpret mode): decode and verify rows run the in-place pool
+    kernel, prefill chunks the XLA chunked form (auto on CPU); every request equals one-request greedy decoding."""
+    from helpers import naive_greedy, small_config
+    from jaxgdn.engine_config import EngineConfig
+    from jaxgdn.params import init_random_params
+    from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.request import SamplingParams
+    from pallas_kernels.gdn import use_pooled_recurrent
+
+    cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
+    assert use_pooled_recurrent("pallas_pool", 3, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    assert not use_pooled_recurrent("auto", 3, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    params = init_random_params(cfg, seed=7)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (1, 2, 5, 9, 23)]
+    ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=4,
+                        dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl="pallas_pool")
+    P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
+    D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # garbage in the slots: fresh rows must ignore it
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
+    for r, p in zip(rids, prompts):
+        assert D.output(r).token_ids == naive_greedy(params, cfg, p, 5)
