@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .attention import gqa_attention, project_qkv_gate
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
+from .attention import gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_inputs, gdn_layer, gdn_output
@@ -117,12 +117,12 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str):
     """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
 
-    Short rows (decode, spec verification) on the Pallas path run the in-place pool kernel: it reads
-    checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the pool,
-    with no gathered copy of the states. Otherwise the states are gathered, run, and scattered back."""
+    With gdn_impl "pallas_pool", short rows (decode, spec verification) run the in-place pool kernel: it
+    reads checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the
+    pool, with no gathered copy of the states. Otherwise the states are gathered, run, and scattered back."""
     kc = cfg.linear_conv_kernel_dim
     K = slots.ssm.shape[1] - 1
-    R, Q, _ = h.shape
+    Q = h.shape[1]
     if not use_pooled_recurrent(gdn_impl, Q, cfg.linear_key_head_dim, cfg.linear_value_head_dim):
         start = read_gdn_state(slots, view, num_accepted, kc)
         res = gdn_layer(p, cfg, h, start, impl=gdn_impl, num_valid=view.num_valid, spec_window=K)

@@ -165,7 +165,8 @@ class ModelRunner:
         self.params = params
         self.cfg = cfg
         self.state = state
-        self.shapes_seen: set[tuple[int, int, int]] = set()
+        self.shapes_seen: set[tuple[int, ...]] = set()
+        self.last_device_args = None
         self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
@@ -175,7 +176,12 @@ class ModelRunner:
 
     def time_device_step(self, iters: int = 20) -> float:
         """ms per call of the jitted step replayed back to back on the last step's arguments (the state
-        threads through; no host preparation, no token fetch): the device side of a step."""
+        threads through; no host preparation, no token fetch): the device side of a step. The replays
+        advance the device state past what the scheduler knows, so only call it on an engine whose work
+        is done (benchmarks)."""
+        if self.last_device_args is None:
+            raise RuntimeError("time_device_step needs one step run first")
+
         def run(n):
             for _ in range(n):
                 self.state, tokens, *_ = self._step(self.params, self.state, self.last_device_args)

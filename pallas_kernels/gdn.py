@@ -172,7 +172,7 @@ def available_gdn_impls() -> tuple[str, ...]:
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
     """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
-    "pallas_recurrent" or a registered kernel)."""
+    "pallas_recurrent", "pallas_pool" or a registered kernel)."""
     try:
         fn = _IMPLS[impl]
     except KeyError:

@@ -77,7 +77,9 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
     return linear + attn + gdn + 2 * sizes["lm_head_params"] * batch
 
 
-def _engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0):
+def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0):
+    """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
+    fraction), bf16, K MTP drafts."""
     from ..engine import LLMEngine
     from ..engine_config import EngineConfig
 
@@ -93,7 +95,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     from ..request import SamplingParams
 
     warm = 3
-    eng = _engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
+    eng = make_engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
                   max_batched=max(256, batch * prompt_len), K=K)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
@@ -115,7 +117,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3) ->
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens."""
     from ..request import SamplingParams
 
-    eng = _engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length)
+    eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs = []

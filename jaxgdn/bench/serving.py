@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .model import _engine, engine_decode_ms, load_model
+from .model import engine_decode_ms, load_model, make_engine
 
 
 def expected_tokens_per_step(p: float, K: int) -> float:
@@ -32,7 +32,7 @@ def shipped_model_spec(model_dir: str, ks, num_prompts: int, max_tokens: int) ->
     prompts = task_prompts(model_dir, num_prompts)
     rows = []
     for K in ks:
-        eng = _engine(params, cfg, batch=len(prompts), max_model_len=max(map(len, prompts)) + max_tokens + 8,
+        eng = make_engine(params, cfg, batch=len(prompts), max_model_len=max(map(len, prompts)) + max_tokens + 8,
                       max_batched=sum(map(len, prompts)), K=K)
         sp = SamplingParams(temperature=0, max_tokens=max_tokens)
 

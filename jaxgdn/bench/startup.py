@@ -22,10 +22,10 @@ def child_run(args) -> dict:
     """One run in this process: load the model, serve the workload; seconds per phase."""
     t0 = time.perf_counter()
     from ..request import SamplingParams
-    from .model import _engine, load_model
+    from .model import make_engine, load_model
 
     params, cfg = load_model(args.model, include_mtp=args.k > 0)
-    eng = _engine(params, cfg, batch=args.requests, max_model_len=args.prompt_len + args.max_tokens + 8,
+    eng = make_engine(params, cfg, batch=args.requests, max_model_len=args.prompt_len + args.max_tokens + 8,
                   max_batched=args.requests * args.prompt_len, K=args.k)
     t_ready = time.perf_counter()
     rng = np.random.default_rng(0)
