@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|prefill|spec|pd|startup ...]   (default: all, in this order)
+#   bash bench/h200.sh [tests|kernels|decode|decode-pool|prefill|spec|pd|startup ...]   (default: all but
+#   decode-pool, in this order; decode-pool times decode on the opt-in in-place GDN pool kernel)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
-# Each step has its own time limit so one slow step cannot take the others' results with it.
+# Each step has its own time limit so one slow step cannot take the others' results with it. A device call
+# allows 600 s: pass two or three steps per call (e.g. "tests kernels", "decode", "prefill spec", "pd startup").
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site gpu_wheels/*.whl
 export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -16,6 +18,8 @@ for step in $steps; do
     tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -5 ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    decode-pool) timeout 300 python3 -m jaxgdn.bench decode --gdn-impl pallas_pool --no-peer \
+               --out "$dest/decode-pool_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

@@ -75,3 +75,30 @@ def test_tokenizer_json_gives_text(checkpoint, tmp_path):
     text_out, ids_out = llm.generate(["w5 w6 w7", [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert text_out.token_ids == ids_out.token_ids
     assert text_out.text == " ".join(f"w{t}" for t in ids_out.token_ids)
+
+
+def test_greedy_only_branch_equals_the_general_verifier():
+    """verify_drafts skips the vocabulary sort and noise when every row is greedy; the general path must
+    give the same tokens and counts on the same all-greedy input."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxgdn.spec_decode import _verify
+
+    rng = np.random.default_rng(0)
+    R, K, V = 5, 2, 50
+    logits = jnp.asarray(rng.standard_normal((R, K + 1, V)), jnp.float32)
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    drafts = np.where(rng.random((R, K)) < 0.6, argmax[:, :K], rng.integers(0, V, (R, K)))
+    drafts[0, 0] = -1  # a placeholder draft is never accepted
+    args = (logits, jnp.asarray(drafts, jnp.int32), jnp.array([2, 2, 1, 0, 2]), jnp.zeros(R), jnp.zeros(R, jnp.int32),
+            jnp.ones(R), jax_keys(R, K))
+    fast, general = _verify(*args, stochastic=False), _verify(*args, stochastic=True)
+    np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(general[0]))
+    np.testing.assert_array_equal(np.asarray(fast[1]), np.asarray(general[1]))
+
+
+def jax_keys(R, K):
+    import jax
+
+    return jax.vmap(lambda i: jax.random.key(i))(jax.numpy.arange(R * (K + 1))).reshape(R, K + 1)
