@@ -17,7 +17,7 @@ for step in $steps; do
   case $step in
     tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -5 ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode-pool) timeout 300 python3 -m jaxgdn.bench decode --gdn-impl pallas_pool --no-peer \
                --out "$dest/decode-pool_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--steps", type=int, default=32, help="decode steps timed (median)")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
+            m.add_argument("--profile", default=None, metavar="DIR",
+                           help="also trace 5 replayed steps per batch into DIR and put the top kernels in the JSON")
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")

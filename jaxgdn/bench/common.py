@@ -93,3 +93,35 @@ def measured_matmul_tflops(n: int = 8192) -> float:
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
     ms = time_jax(f, a, a, iters=10)
     return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 25) -> dict:
+    """Summarise a `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` capture: per device
+    process (GPU streams when there are any, else the host), total busy time and the kernels that took it,
+    in microseconds per `divide_by` (e.g. per step)."""
+    import collections
+    import gzip
+    import glob
+    import os
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        return {"error": f"no perfetto trace under {trace_dir}"}
+    data = json.load(gzip.open(files[-1]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {p for p, n in names.items() if "GPU" in n or "/device:" in n}
+    keep = device_pids or set(names)
+    per_kernel: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in keep:
+            per_kernel[e["name"]] += e.get("dur", 0)
+            counts[e["name"]] += 1
+    return {
+        "processes": sorted(names[p] for p in keep),
+        "busy_us": sum(per_kernel.values()) / divide_by,
+        "events": sum(counts.values()) / divide_by,
+        "top": [[name, us / divide_by, counts[name] / divide_by] for name, us in per_kernel.most_common(top)],
+    }

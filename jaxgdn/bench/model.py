@@ -11,6 +11,7 @@ prefill: wall time of the engine step that runs whole prompts (B x L in one step
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -92,8 +93,10 @@ def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int
     return LLMEngine(params, cfg, ecfg)
 
 
-def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto") -> dict:
-    """Median wall time of the engine's decode steps (after the prompt steps and one compile step)."""
+def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
+                     profile_dir: str | None = None) -> dict:
+    """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
+    profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
     from ..request import SamplingParams
 
     warm = 3
@@ -110,9 +113,19 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
         times.append(time.perf_counter() - t0)
     decode = times[1 + warm :]  # step 0 runs the prompts; the next ones compile the decode bucket
     generated = sum(len(r.output_token_ids) for r in eng.requests.values())
-    return {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(), "steps": len(times), "generated": generated,
-            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
-            "spec": eng.spec_metrics() if K else None}
+    out = {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
+           "steps": len(times), "generated": generated,
+           "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
+           "spec": eng.spec_metrics() if K else None}
+    if profile_dir:
+        import jax
+
+        from .common import profile_summary
+
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            eng.runner.time_device_step(iters=5)
+        out["profile_per_step"] = profile_summary(profile_dir, divide_by=5 + 2)  # 2 warm-up replays inside
+    return out
 
 
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gdn_impl: str = "auto") -> float:
@@ -231,7 +244,9 @@ def bench_decode(args) -> dict:
     bw = measured_bandwidth_gbs(args.bandwidth_bytes)
     rows = []
     for batch in args.batch:
-        r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl)
+        profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
+        r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
+                             profile_dir=profile)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
