@@ -45,7 +45,8 @@ class LLMEngine:
         if device is not None:
             params, state = jax.device_put((params, state), device)
         self.device = device
-        self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, input_impl=input_impl,
+        self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
+                                  input_impl=input_impl,
                                   reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}

@@ -22,6 +22,8 @@ class EngineConfig:
     gdn_impl: GDN recurrence: "auto" (Pallas kernels on a GPU, the XLA chunked form elsewhere),
       "chunked", "scan", "pallas", "pallas_recurrent", "pallas_pool" (decode/verify rows on the in-place
       pool kernel; opt-in until checked on a GPU) or a registered kernel.
+    attention_impl: paged attention of the trunk and MTP layers: "xla" (gather each row's pages, then
+      masked softmax) or "pallas" (paged flash kernel reading pages in place; opt-in until measured on a GPU).
     num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
     pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
     pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
@@ -42,6 +44,7 @@ class EngineConfig:
     enforce_eager: bool = False
     dtype: str = "bfloat16"
     gdn_impl: str = "auto"
+    attention_impl: str = "xla"
     num_speculative_tokens: int = 0
     pd: bool = False
     pad_prompt_tail: bool = True
@@ -60,6 +63,7 @@ class EngineConfig:
             (0 < self.kv_memory_fraction <= 1, "kv_memory_fraction must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
+            (self.attention_impl in ("xla", "pallas"), "attention_impl must be 'xla' or 'pallas'"),
         ]
         for ok, msg in checks:
             if not ok:

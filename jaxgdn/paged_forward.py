@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
+from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
+from pallas_kernels.paged_attention import paged_attention_pallas
 
 from .attention import gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
@@ -54,8 +56,10 @@ class RowView:
         return jnp.sum(self.valid, axis=1).astype(jnp.int32)
 
 
-def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
-    """Gated attention for [R, Q] rows: write this step's K/V into the pool, attend over each row's pages."""
+def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla"):
+    """Gated attention for [R, Q] rows: write this step's K/V into the pool, attend over each row's pages.
+    impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash kernel
+    (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow."""
     R, Q, _ = h.shape
     q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
     P, ps, Hkv, D = kv.k.shape
@@ -63,6 +67,12 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
     slots = view.kv_slots.reshape(-1)
     k_pool = flat(kv.k).at[slots].set(k.reshape(-1, Hkv, D).astype(kv.k.dtype)).reshape(P, ps, Hkv, D)
     v_pool = flat(kv.v).at[slots].set(v.reshape(-1, Hkv, D).astype(kv.v.dtype)).reshape(P, ps, Hkv, D)
+    if impl == "pallas" and paged_kernel_supports(D, ps):
+        q_pos = jnp.where(view.valid, view.positions, -1)  # padding cells see no key
+        attn = paged_attention_pallas(q, k_pool.astype(h.dtype), v_pool.astype(h.dtype), view.block_tables, q_pos,
+                                      view.seq_lens)
+        o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
+        return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
     MP = view.block_tables.shape[1]
     k_view = k_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
     v_view = v_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
@@ -135,7 +145,8 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
     return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=_write_conv(slots, view, window, verify_buffer), ssm=ssm)
 
 
-def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str):
+def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,
+                  attention_impl: str = "xla"):
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
     [R, Q, H], new EngineState)."""
     T = input_ids.shape[0]
@@ -153,7 +164,7 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
         if layer_type == FULL_ATTENTION:
 
             def mixer_rows(h, p=p, s=layer_state):
-                return paged_attention(p.mixer, cfg, h, view, s)
+                return paged_attention(p.mixer, cfg, h, view, s, attention_impl)
         else:
 
             def mixer_rows(h, p=p, s=layer_state):
@@ -175,13 +186,15 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     )
 
 
-def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple):
+def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple,
+              attention_impl: str = "xla"):
     """The MTP head over [R, Q] cells: cell (r, j) gets the trunk hidden at its position and the token
     after it. Writes the MTP layer's own paged KV. Returns (mtp hidden [R, Q, H] after mtp.norm, layers)."""
     mtp = params.mtp
     x = mtp_fc_input(params, cfg, hidden, next_ids)
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
-        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(layer.mixer, cfg, h, view, kv))
+        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(layer.mixer, cfg, h, view, kv,
+                                                                                                 attention_impl))
         new_layers.append(kv)
     return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

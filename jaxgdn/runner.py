@@ -30,6 +30,7 @@ from .spec_decode import verify_drafts
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
+                 attention_impl: str,
                  input_impl: str, unguarded: bool):
     K = state.draft_tokens.shape[1]
     W = 1 + K
@@ -49,7 +50,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
         block_tables=a["block_tables"], seq_lens=a["seq_lens"], idx_mapping=idx, fresh=a["fresh"],
         verify_path=a["verify_path"],
     )
-    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl)
+    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl, attention_impl)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
@@ -76,7 +77,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     mtp_layers = state.mtp_layers
     if K and params.mtp is not None:
         new_drafts, mtp_layers = _propose_drafts(params, cfg, a, view, ids, hidden_rq, tokens, num_sampled,
-                                                 n_draft, samples, last_token, mtp_layers, K)
+                                                 n_draft, samples, last_token, mtp_layers, K, attention_impl)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted)
@@ -84,7 +85,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
 
 
 def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_sampled, n_draft, samples,
-                    last_token, mtp_layers, K):
+                    last_token, mtp_layers, K, attention_impl):
     """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form).
 
     Cell (r, j) of the step gets (trunk hidden at position p_j, token at p_j + 1): the next input token
@@ -107,7 +108,7 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
         block_tables=view.block_tables, seq_lens=view.seq_lens - num_rejected, idx_mapping=view.idx_mapping,
         fresh=view.fresh, verify_path=view.verify_path,
     )
-    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers)
+    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl)
     last_cell = jnp.clip(keep - 1, 0, Q - 1)
     h = jnp.take_along_axis(m, last_cell[:, None, None], 1)  # [R, 1, H]
     pos = jnp.take_along_axis(view.positions, last_cell[:, None], 1)  # [R, 1]
@@ -126,7 +127,7 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
             seq_lens=jnp.where(samples, pos[:, 0] + 1, 0), idx_mapping=view.idx_mapping,
             fresh=view.fresh, verify_path=view.verify_path,
         )
-        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers)
+        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers, attention_impl)
         h = m
         draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
         drafts.append(draft)
@@ -149,10 +150,11 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool):
+def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla"):
     """One jitted step function per static setting, shared by every runner in the process, so engines
     built with the same model and settings reuse each other's compiled buckets."""
-    return jax.jit(functools.partial(_device_step, cfg=cfg, gdn_impl=gdn_impl, input_impl=input_impl,
+    return jax.jit(functools.partial(_device_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
+                                     input_impl=input_impl,
                                      unguarded=unguarded), donate_argnums=(1,))
 
 
@@ -160,14 +162,15 @@ class ModelRunner:
     """Holds params and the device state; runs steps; counts compiled bucket shapes."""
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
-                 input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None):
+                 input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
+                 attention_impl: str = "xla"):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_device_args = None
-        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug)
+        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""

@@ -73,3 +73,18 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
     o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype, D, Q", [("float32", 32, 20), ("bfloat16", 256, 1), ("bfloat16", 256, 40)])
+def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
+    from test_paged_attention import paged_case
+
+    args = paged_case(seed=Q, Q=Q, D=D, dtype=getattr(jnp, dtype))
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(paged_attention_reference)(*args).astype(jnp.float32)
+    out = jax.jit(paged_attention_pallas)(*args).astype(jnp.float32)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert float(jnp.abs(out - ref).max()) <= tol * max(1.0, float(jnp.abs(ref).max()))

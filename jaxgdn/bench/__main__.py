@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
         m.add_argument("--no-peer", action="store_true", help="skip transformers")
         m.add_argument("--gdn-impl", default="auto", help="EngineConfig.gdn_impl (auto, pallas_pool, chunked, ...)")
+        m.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="EngineConfig.attention_impl")
         if name == "decode":
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")

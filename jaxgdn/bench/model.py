@@ -79,7 +79,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 
 def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0,
-                gdn_impl: str = "auto"):
+                gdn_impl: str = "auto", attention_impl: str = "xla"):
     """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
     fraction), bf16, K MTP drafts."""
     from ..engine import LLMEngine
@@ -89,19 +89,20 @@ def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int
     pages = batch * -(-max_model_len // ps) + 1
     ecfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
-                        gdn_impl=gdn_impl)
+                        gdn_impl=gdn_impl, attention_impl=attention_impl)
     return LLMEngine(params, cfg, ecfg)
 
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
-                     profile_dir: str | None = None) -> dict:
+                     profile_dir: str | None = None, attention_impl: str = "xla") -> dict:
     """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
     profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
     from ..request import SamplingParams
 
     warm = 3
     eng = make_engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
-                      max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl)
+                      max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
+                      attention_impl=attention_impl)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
     for _ in range(batch):
@@ -128,12 +129,13 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     return out
 
 
-def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gdn_impl: str = "auto") -> float:
+def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gdn_impl: str = "auto",
+                      attention_impl: str = "xla") -> float:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens."""
     from ..request import SamplingParams
 
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
-                      gdn_impl=gdn_impl)
+                      gdn_impl=gdn_impl, attention_impl=attention_impl)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs = []
@@ -246,7 +248,7 @@ def bench_decode(args) -> dict:
     for batch in args.batch:
         profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
-                             profile_dir=profile)
+                             profile_dir=profile, attention_impl=args.attention_impl)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
@@ -267,7 +269,8 @@ PREFILL_TIMING = "median wall time of one engine step running whole prompts (hos
 
 
 def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
-    return {"benchmark": name, "model": _model_label(args.model), "gdn_impl": args.gdn_impl, **sizes, **extra,
+    return {"benchmark": name, "model": _model_label(args.model), "gdn_impl": args.gdn_impl,
+            "attention_impl": args.attention_impl, **sizes, **extra,
             "rows": rows}
 
 
@@ -280,7 +283,7 @@ def bench_prefill(args) -> dict:
     tflops = measured_matmul_tflops(args.matmul_size)
     rows = []
     for batch, length in args.shapes:
-        ms = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl)
+        ms = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl, attention_impl=args.attention_impl)
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
                "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3}
