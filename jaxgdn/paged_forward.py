@@ -69,8 +69,7 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
     v_pool = flat(kv.v).at[slots].set(v.reshape(-1, Hkv, D).astype(kv.v.dtype)).reshape(P, ps, Hkv, D)
     if impl == "pallas" and paged_kernel_supports(D, ps):
         q_pos = jnp.where(view.valid, view.positions, -1)  # padding cells see no key
-        attn = paged_attention_pallas(q, k_pool.astype(h.dtype), v_pool.astype(h.dtype), view.block_tables, q_pos,
-                                      view.seq_lens)
+        attn = paged_attention_pallas(q.astype(h.dtype), k_pool, v_pool, view.block_tables, q_pos, view.seq_lens)
         o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
         return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
     MP = view.block_tables.shape[1]

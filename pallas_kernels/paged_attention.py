@@ -61,8 +61,8 @@ def _kernel(bt_ref, seq_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, *, BQ, group,
     def page(j, carry):
         m, l, acc = carry
         pid = bt_ref[r, j]
-        k = k_ref[pid, :, hk, :]  # [ps, D]
-        v = v_ref[pid, :, hk, :]
+        k = k_ref[pid, :, hk, :].astype(q.dtype)  # [ps, D]; the pool may be stored in another dtype
+        v = v_ref[pid, :, hk, :].astype(q.dtype)
         s = jnp.dot(q, k.T, preferred_element_type=f32, precision=lax.Precision.HIGHEST) * scale  # [BQ, ps]
         kpos = j * ps + offs
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seq_len)
