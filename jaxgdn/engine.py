@@ -6,6 +6,7 @@ parameters) are finished at once with finish_reason "error" and a message; the o
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from typing import Callable, Iterable
@@ -122,8 +123,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # ------------------------------------------------------------------------------------ stepping
+    @property
+    def timings(self) -> "collections.Counter[str]":
+        """Seconds spent per phase of step(), summed over steps: schedule, build (host arrays), transfer
+        (to the device), dispatch (the jitted step's launch), wait (device work + results back), update
+        (requests, outputs)."""
+        return self.runner.timings
+
     def step(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.timings["schedule"] += time.perf_counter() - t0
         if not out.rows:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
@@ -135,7 +145,9 @@ class LLMEngine:
                 self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
                                                    self.device)
                 req.handoff = None
+        t0 = time.perf_counter()
         arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len)
+        self.timings["build"] += time.perf_counter() - t0
         res = self.runner.run(arrays)
         self.num_steps += 1
         now = time.perf_counter()
@@ -166,6 +178,7 @@ class LLMEngine:
                 self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
                                                         req.prompt_token_ids + [req.next_prompt_token]))
                 self.scheduler.finish(req, "handoff")
+        self.timings["update"] += time.perf_counter() - now
         return out
 
     def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:

@@ -19,9 +19,10 @@ class EngineConfig:
       accelerator's free memory when it reports it, else enough for every slot at max_model_len.
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
-    gdn_impl: GDN recurrence: "auto" (Pallas kernels on a GPU, the XLA chunked form elsewhere),
-      "chunked", "scan", "pallas", "pallas_recurrent", "pallas_pool" (decode/verify rows on the in-place
-      pool kernel; opt-in until checked on a GPU) or a registered kernel.
+    gdn_impl: GDN recurrence: "auto" (on a GPU: decode/verify rows on the in-place pool kernel, prompts
+      on the chunked Pallas kernel; the XLA chunked form elsewhere), "chunked", "scan", "pallas",
+      "pallas_recurrent", "pallas_pool" (the pool kernel also off the GPU, in interpret mode) or a
+      registered kernel.
     attention_impl: paged attention of the trunk and MTP layers: "xla" (gather each row's pages, then
       masked softmax) or "pallas" (paged flash kernel reading pages in place; opt-in until measured on a GPU).
     num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).

@@ -84,65 +84,62 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     qsl = np.zeros(R + 1, np.int32)
-    seq_lens = np.zeros(R, np.int32)
-    idx = np.zeros(R, np.int32)
     cu = np.zeros(R + 1, np.int32)
     token_index = np.full((R, Q), -1, np.int32)
     row_pos = np.zeros((R, Q), np.int32)
     kv_slots = np.tile(np.arange(Q, dtype=np.int32) % ps + NULL_PAGE * ps, (R, 1))
     block_tables = np.full((R, MP), NULL_PAGE, np.int32)
-    fresh = np.zeros(R, bool)
-    verify_path = np.zeros(R, bool)
-    pad_tail = np.zeros(R, bool)
-    next_token = np.zeros(R, np.int32)
-    samples = np.zeros(R, bool)
-    kinds = np.full(R, int(RowKind.PAD), np.int32)
-    temperature = np.zeros(R, np.float32)
-    top_k = np.zeros(R, np.int32)
-    top_p = np.ones(R, np.float32)
-    seeds = np.zeros(R, np.uint32)
-    request_ids = np.zeros(R, np.uint32)
 
-    t = 0
-    for b, row in enumerate(rows):
-        req, n = row.request, row.num_tokens
-        start = req.num_computed
-        tokens = req.all_token_ids
-        pos = np.arange(start, start + n, dtype=np.int32)
-        # Host places tokens it knows to be prompt (or recompute) tokens; the kernel places the rest.
-        known = pos < req.prefill_len
-        input_ids[t : t + n] = np.where(known, [tokens[p] if p < len(tokens) else 0 for p in pos], 0)
-        positions[t : t + n] = pos
-        qsl[b + 1] = t + n
-        seq_lens[b] = start + n
-        idx[b] = req.slot
-        n_logits = 1 + len(row.spec_tokens)
-        cu[b + 1] = cu[b] + n_logits
-        token_index[b, :n] = np.arange(t, t + n)
-        row_pos[b, :n] = pos
-        pages = np.asarray(req.pages, np.int32)
-        block_tables[b, : min(len(pages), MP)] = pages[:MP]
-        kv_slots[b, :n] = pages[pos // ps] * ps + pos % ps
-        fresh[b] = start == 0
-        verify_path[b] = runs_verify_path(row, ecfg.reproduce_pd_mtp_bug)
-        pad_tail[b] = row.padded_tail
-        end = start + n
-        next_token[b] = tokens[end] if end < len(tokens) else (req.next_prompt_token or 0)
-        samples[b] = row.samples
-        kinds[b] = int(row.kind)
-        sp = req.sampling_params
-        temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
-        # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
-        # under any request id; unseeded requests are keyed by their request id instead.
-        seeds[b] = (sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF
-        request_ids[b] = 0 if sp.seed is not None else (req.request_id + 1) & 0xFFFFFFFF
-        t += n
-    qsl[n_rows + 1 :] = t
+    def per_row(values, dtype, fill=0):
+        out = np.full(R, fill, dtype)
+        out[:n_rows] = values
+        return out
+
+    # Per-row scalars are collected as Python lists and written once; only prompt tokens and page lists
+    # are copied row by row (a decode row costs a few list appends, not a dozen numpy calls).
+    reqs = [r.request for r in rows]
+    sps = [q.sampling_params for q in reqs]
+    n_tok = np.array([r.num_tokens for r in rows], np.int32)
+    start = np.array([q.num_computed for q in reqs], np.int32)
+    qsl[1 : n_rows + 1] = np.cumsum(n_tok)
+    qsl[n_rows + 1 :] = n_tokens
+    cu[1 : n_rows + 1] = np.cumsum([1 + len(r.spec_tokens) for r in rows])
     cu[n_rows + 1 :] = cu[n_rows]
+    for b, row in enumerate(rows):
+        req = row.request
+        block_tables[b, : min(len(req.pages), MP)] = req.pages[:MP]
+        # Host places tokens it knows to be prompt (or recompute) tokens; the kernel places the rest.
+        known_end = min(req.num_computed + row.num_tokens, req.prefill_len)
+        if known_end > req.num_computed:
+            t = qsl[b]
+            input_ids[t : t + known_end - req.num_computed] = req.token_slice(req.num_computed, known_end)
+    # Flat token j belongs to row row_of[j] at column col[j] of the [R, Q] view.
+    row_of = np.repeat(np.arange(n_rows), n_tok)
+    col = np.arange(n_tokens) - qsl[row_of]
+    pos = start[row_of] + col
+    positions[:n_tokens] = pos
+    token_index[row_of, col] = np.arange(n_tokens)
+    row_pos[row_of, col] = pos
+    kv_slots[row_of, col] = block_tables[row_of, pos // ps] * ps + pos % ps
+    # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
+    # under any request id; unseeded requests are keyed by their request id instead.
+    seeds = [(sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF for sp in sps]
+    request_ids = [0 if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF for q, sp in zip(reqs, sps)]
+    next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
     return StepArrays(
-        input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_lens=seq_lens, idx_mapping=idx,
-        cu_num_logits=cu, prefill_len=slot_prefill_len.astype(np.int32), token_index=token_index,
-        row_positions=row_pos, kv_slots=kv_slots, block_tables=block_tables, fresh=fresh, verify_path=verify_path,
-        pad_tail=pad_tail, next_token=next_token, samples=samples,
-        row_kind=kinds, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, request_ids=request_ids,
+        input_ids=input_ids, positions=positions, query_start_loc=qsl,
+        seq_lens=per_row(start + n_tok, np.int32),
+        idx_mapping=per_row([q.slot for q in reqs], np.int32),
+        cu_num_logits=cu, prefill_len=slot_prefill_len.astype(np.int32),
+        token_index=token_index, row_positions=row_pos, kv_slots=kv_slots, block_tables=block_tables,
+        fresh=per_row(start == 0, bool),
+        verify_path=per_row([runs_verify_path(r, ecfg.reproduce_pd_mtp_bug) for r in rows], bool),
+        pad_tail=per_row([r.padded_tail for r in rows], bool),
+        next_token=per_row(next_token, np.int32),
+        samples=per_row([r.samples for r in rows], bool),
+        row_kind=per_row([int(r.kind) for r in rows], np.int32, fill=int(RowKind.PAD)),
+        temperature=per_row([sp.temperature for sp in sps], np.float32),
+        top_k=per_row([sp.top_k for sp in sps], np.int32),
+        top_p=per_row([sp.top_p for sp in sps], np.float32, fill=1.0),
+        seeds=per_row(seeds, np.uint32), request_ids=per_row(request_ids, np.uint32),
     )

@@ -69,9 +69,10 @@ class RequestMetrics:
         return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
-    """Host-side request state. `num_computed` tokens of `all_token_ids` are in the caches."""
+    """Host-side request state. `num_computed` tokens of `all_token_ids` are in the caches.
+    Compared by identity: the scheduler's membership checks must not compare token lists."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -97,6 +98,19 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence (host step assembly)."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n_prompt) : end - n_prompt]
+
+    def token_after(self, end: int) -> int:
+        """The token at position `end` if known, else the PD prefill worker's next prompt token (or 0)."""
+        if end < self.num_tokens:
+            return self.token_slice(end, end + 1)[0]
+        return self.next_prompt_token or 0
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ only host round trip is the sampled tokens coming back.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -29,9 +30,46 @@ from .sampling import position_keys
 from .spec_decode import verify_drafts
 
 
+def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
+    """All of a step's host arrays as one int32 buffer (one host-to-device copy instead of ~20 small ones)
+    and its static layout ((name, shape, dtype), ...). float32/uint32 travel bit-cast, bools as 0/1."""
+    parts, layout = [], []
+    for name, x in vars(arrays).items():
+        if name == "row_kind":  # host-side bookkeeping only
+            continue
+        x = np.ascontiguousarray(x)
+        parts.append(x.view(np.int32).ravel() if x.dtype.itemsize == 4 else x.astype(np.int32).ravel())
+        layout.append((name, x.shape, x.dtype.name))
+    return np.concatenate(parts), tuple(layout)
+
+
+def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
+    """Inverse of pack_step_arrays on device: static slices of the int32 buffer, bit-cast back."""
+    out, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        x = buf[offset : offset + size].reshape(shape)
+        offset += size
+        if dtype == "bool":
+            x = x != 0
+        elif dtype != "int32":
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        out[name] = x
+    return out
+
+
+def _packed_step(params: ModelParams, state: EngineState, buf, layout: tuple, stochastic: bool, **static):
+    """The jitted entry: unpack the one input buffer, run the step, pack the four results into one int32
+    buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a single device-to-host copy.
+    stochastic (static): some row samples with temperature > 0."""
+    state, tokens, num_sampled, drafts, ids = _device_step(params, state, unpack_step_arrays(buf, layout),
+                                                           stochastic=stochastic, **static)
+    flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
+    return state, flat
+
+
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
-                 attention_impl: str,
-                 input_impl: str, unguarded: bool):
+                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a["idx_mapping"].shape[0]
@@ -64,7 +102,8 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     drafts = ids[jnp.clip(tok_at[:, 1:], 0, T - 1)]  # [R, K]
     keys = position_keys(jnp.repeat(a["seeds"], W), jnp.repeat(a["request_ids"], W),
                          (a["positions"][tok_at] + 1).reshape(-1)).reshape(R, W)
-    tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a["temperature"], a["top_k"], a["top_p"], keys)
+    tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a["temperature"], a["top_k"], a["top_p"], keys,
+                                         stochastic)
     samples = a["samples"] & real
     num_sampled = jnp.where(samples, num_sampled, 0)
     last_token = jnp.take_along_axis(tokens, jnp.maximum(num_sampled - 1, 0)[:, None], 1)[:, 0]
@@ -153,9 +192,9 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla"):
     """One jitted step function per static setting, shared by every runner in the process, so engines
     built with the same model and settings reuse each other's compiled buckets."""
-    return jax.jit(functools.partial(_device_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
-                                     input_impl=input_impl,
-                                     unguarded=unguarded), donate_argnums=(1,))
+    return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
+                                     input_impl=input_impl, unguarded=unguarded),
+                   donate_argnums=(1,), static_argnums=(3, 4))
 
 
 class ModelRunner:
@@ -170,6 +209,7 @@ class ModelRunner:
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_device_args = None
+        self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
@@ -184,11 +224,10 @@ class ModelRunner:
         is done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
-
         def run(n):
             for _ in range(n):
-                self.state, tokens, *_ = self._step(self.params, self.state, self.last_device_args)
-            jax.block_until_ready(tokens)
+                self.state, flat = self._step(self.params, self.state, *self.last_device_args)
+            jax.block_until_ready(flat)
 
         run(2)
         t0 = time.perf_counter()
@@ -200,13 +239,24 @@ class ModelRunner:
         return len(self.shapes_seen)
 
     def run(self, arrays: StepArrays) -> "StepResult":
-        """Run one step; the results come back to the host."""
-        self.shapes_seen.add(arrays.shape_key)
-        host_args = {k: v for k, v in vars(arrays).items() if k != "row_kind"}
-        device_args = jax.device_put(host_args, self.device) if self.device is not None else jax.device_put(host_args)
-        self.last_device_args = device_args  # benchmarks replay it to time the device step alone
-        self.state, tokens, num_sampled, drafts, ids = self._step(self.params, self.state, device_args)
-        return StepResult(np.asarray(tokens), np.asarray(num_sampled), np.asarray(drafts), np.asarray(ids))
+        """Run one step; the results come back to the host. Adds the seconds of each phase (host-to-device
+        copy, dispatch of the jitted step, waiting for and copying back its results) to self.timings."""
+        stochastic = bool(np.any(arrays.temperature > 0))
+        self.shapes_seen.add((*arrays.shape_key, stochastic))
+        t0 = time.perf_counter()
+        buf, layout = pack_step_arrays(arrays)
+        buf = jax.device_put(buf, self.device) if self.device is not None else jax.device_put(buf)
+        self.last_device_args = buf, layout, stochastic  # benchmarks replay them to time the device step
+        t1 = time.perf_counter()
+        self.state, flat = self._step(self.params, self.state, buf, layout, stochastic)
+        t2 = time.perf_counter()
+        flat = np.asarray(flat)
+        self.timings["transfer"] += t1 - t0
+        self.timings["dispatch"] += t2 - t1
+        self.timings["wait"] += time.perf_counter() - t2
+        R, K = arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1]
+        tokens, num_sampled, drafts, ids = np.split(flat, np.cumsum([R * (1 + K), R, R * K]))
+        return StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids)
 
 
 @dataclasses.dataclass

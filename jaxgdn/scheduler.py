@@ -144,7 +144,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            if req not in self.running:  # preempted by an earlier row of this step
+            if req.status is not RequestStatus.RUNNING:  # preempted by an earlier row of this step
                 continue
             row = self._plan(req, budget, rows)
             if row is None:

@@ -18,17 +18,17 @@ from .sampling import filtered_log_probs
 ACCEPT_SALT = 1  # folded into the position key for the accept test, so it is independent of the token draw
 
 
-def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys):
+def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool = True):
     """logits [R, 1+K, V] (rows beyond 1+n_draft unused); drafts [R, K]; n_draft [R];
     temperature/top_k/top_p [R]; keys [R, 1+K] position keys of the tokens being sampled.
+    stochastic (static): False when the caller knows every row is greedy; that program skips the sort,
+    softmax and noise over the vocabulary. The general program gives greedy rows the same argmax.
 
     Returns (tokens [R, 1+K] (entries past num_sampled are -1), num_sampled [R] in [1, 1+n_draft]).
-    A step where every row is greedy skips the sort, softmax and noise over the vocabulary (a device-side
-    branch, no host sync); the greedy rows of a mixed step get the same argmax either way.
+    The choice is static rather than a device-side lax.cond: XLA's GPU conditional copies its predicate
+    to the host and waits for it, which serialised every step with the host.
     """
-    args = (logits, drafts, n_draft, temperature, top_k, top_p, keys)
-    return jax.lax.cond(jnp.all(temperature == 0), lambda a: _verify(*a, stochastic=False),
-                        lambda a: _verify(*a, stochastic=True), args)
+    return _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic=stochastic)
 
 
 def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool):

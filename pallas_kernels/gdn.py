@@ -144,10 +144,11 @@ def gdn_auto(q, k, v, g, beta, initial_state=None):
 
 def use_pooled_recurrent(impl: str, T: int, dk: int, dv: int) -> bool:
     """Whether the engine runs rows of T tokens with the in-place pool kernel (`gdn_recurrent_pooled`):
-    impl "pallas_pool", short rows, tile-sized heads. Opt-in until a GPU run has checked it against the
-    reference inside the engine (it passes in interpret mode and lowers to Triton); "auto" uses the
-    GPU-checked kernels on gathered states."""
-    return impl == "pallas_pool" and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
+    short rows with tile-sized heads, under "pallas_pool" anywhere (interpret mode on CPU) and under
+    "auto" on a GPU. It reads and writes the slot pool in place: on the H200 it removed the gather and
+    scatter of every row's state (0.8B decode at batch 128: 7.7 -> 4.6 ms of device time per step)."""
+    wanted = impl == "pallas_pool" or (impl == "auto" and _on_gpu())
+    return wanted and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
 
 
 GDNImpl = Callable[..., tuple]

@@ -15,10 +15,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu"
 
 
 @pytest.mark.parametrize("input_impl, dv, gdn_impl", [("triton", 24, "auto"), ("pallas", 24, "auto"),
-                                                      ("pallas", 32, "auto"), ("pallas", 32, "pallas_pool")])
+                                                      ("pallas", 32, "auto"), ("pallas", 32, "pallas")])
 def test_pd_mtp_engine_on_gpu_equals_plain_greedy(input_impl, dv, gdn_impl):
-    """auto: the Pallas GDN kernels on gathered states (dv 24 padded inside); pallas_pool: decode and
-    verify rows on the in-place pool kernel."""
+    """auto with dv 32: decode and verify rows on the in-place pool kernel; auto with dv 24 (not a tile,
+    so the pool cannot be read in place): the recurrent kernel on gathered, padded states; pallas: the
+    chunked kernel for every row."""
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=dv)
     params = init_random_params(cfg, seed=2)
     rng = np.random.default_rng(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,6 +27,7 @@ def environment() -> dict:
         "jaxlib": jaxlib.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. command-buffer (CUDA graph) settings
     }
     for name in ("torch", "transformers", "triton", "fla", "jax_triton"):
         try:
@@ -95,7 +97,7 @@ def measured_matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 25) -> dict:
+def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40) -> dict:
     """Summarise a `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` capture: per device
     process (GPU streams when there are any, else the host), total busy time and the kernels that took it,
     in microseconds per `divide_by` (e.g. per step)."""
@@ -115,12 +117,16 @@ def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 25) -> dict:
     keep = device_pids or set(names)
     per_kernel: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    start, end = float("inf"), 0.0
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in keep:
             per_kernel[e["name"]] += e.get("dur", 0)
             counts[e["name"]] += 1
+            start, end = min(start, e["ts"]), max(end, e["ts"] + e.get("dur", 0))
     return {
         "processes": sorted(names[p] for p in keep),
+        # span minus busy is time the device sat idle between kernels (launch overhead, host waits)
+        "span_us": max(end - start, 0.0) / divide_by,
         "busy_us": sum(per_kernel.values()) / divide_by,
         "events": sum(counts.values()) / divide_by,
         "top": [[name, us / divide_by, counts[name] / divide_by] for name, us in per_kernel.most_common(top)],

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
+import traceback
 
 import numpy as np
 
@@ -109,12 +111,16 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
     times, t_first = [], time.perf_counter()
     while eng.has_unfinished:
+        if len(times) == 1 + warm:  # step 0 runs the prompts; the next ones compile the decode bucket
+            before = dict(eng.timings)
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
-    decode = times[1 + warm :]  # step 0 runs the prompts; the next ones compile the decode bucket
+    decode = times[1 + warm :]
+    phases = {k: (v - before.get(k, 0.0)) / len(decode) * 1e3 for k, v in eng.timings.items()}
     generated = sum(len(r.output_token_ids) for r in eng.requests.values())
     out = {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
+           "host_phase_ms_per_step": phases,
            "steps": len(times), "generated": generated,
            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
            "spec": eng.spec_metrics() if K else None}
@@ -168,6 +174,7 @@ def hf_model(cfg, dtype="bfloat16"):
 
 def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> float:
     """ms per greedy decode step of a plain forward loop with transformers' cache (no generate() overhead)."""
+    _ensure_triton_cache_dir()  # checked again: it was found emptied after our engine ran
     import torch
 
     ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
@@ -187,6 +194,7 @@ def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> 
 
 
 def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 3) -> float:
+    _ensure_triton_cache_dir()  # checked again: it was found emptied after our engine ran
     import torch
 
     ids = torch.randint(0, vocab, (batch, length), device="cuda")
@@ -212,6 +220,7 @@ def _peer(row: dict, key: str, ours_ms: float, measure, save) -> str:
         peer_ms = measure()
     except Exception as e:  # noqa: BLE001
         row["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["transformers_traceback"] = traceback.format_exc(limit=-8)[-3000:]
         save()
         return f"  transformers failed: {row['transformers_error']}"
     row[key] = peer_ms
@@ -220,10 +229,25 @@ def _peer(row: dict, key: str, ours_ms: float, measure, save) -> str:
     return f"  transformers {peer_ms:.2f} ms ({peer_ms / ours_ms:.1f}x)"
 
 
+def _ensure_triton_cache_dir() -> None:
+    """fla's autotuner needs Triton's cache dir; on the H200 it came up empty inside the benchmark process
+    although TRITON_CACHE_DIR was exported (cause not found). Point the knob at a real directory."""
+    directory = os.environ.get("TRITON_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "triton")
+    os.environ["TRITON_CACHE_DIR"] = directory
+    try:
+        from triton import knobs
+
+        if not knobs.cache.dir:
+            knobs.cache.dir = directory
+    except Exception:  # noqa: BLE001  (older Triton without knobs: the environment variable is enough)
+        pass
+
+
 def _hf_or_none(cfg, want: bool):
     if not want:
         return None
     try:
+        _ensure_triton_cache_dir()
         import torch
 
         if not torch.cuda.is_available():
@@ -258,7 +282,8 @@ def bench_decode(args) -> dict:
             (lambda: hf_decode_ms(hf, cfg.vocab_size, batch, args.prompt_len, args.peer_steps))
         peer = _peer(row, "transformers_ms_per_step", row["ms_per_step"], measure,
                      lambda: args.save_partial(_decode_payload(args, sizes, bw, rows)))
-        print(f"decode batch {batch:4d}: {row['ms_per_step']:.3f} ms/step (device {row['device_ms_per_step']:.3f})  "
+        split = " ".join(f"{k} {v:.2f}" for k, v in row["host_phase_ms_per_step"].items())
+        print(f"decode batch {batch:4d}: {row['ms_per_step']:.3f} ms/step (device {row['device_ms_per_step']:.3f}; {split})  "
               f"{row['tokens_per_s']:10.0f} tok/s  "
               f"roofline {row['roofline_ms']:.3f} ms{peer}", flush=True)
     return _decode_payload(args, sizes, bw, rows)
