@@ -35,7 +35,7 @@ def engine(**kw) -> LLMEngine:
     return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}), garbage_seed=garbage, input_impl=impl)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("enforce_eager", [False, pytest.param(True, marks=pytest.mark.slow)])  # eager: test_spec_pd
 def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
     prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(16)]
     eng = engine(enforce_eager=enforce_eager)

@@ -63,8 +63,13 @@ def assert_prompt_fidelity(eng, outputs):
         assert all(tok == p[pos] for pos, tok in eng.fed_tokens.get(out.request_id, []) if pos < len(p))
 
 
-@pytest.mark.parametrize("K, pd, eager, concurrency", [(1, False, False, 16), (2, True, False, 8), (3, True, False, 1),
-                                                       (1, True, True, 4), (3, False, True, 8)])
+# The default suite keeps one case per axis (no PD / PD, buckets / eager, K = 1, 2, 3); `-m slow` adds the rest.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("K, pd, eager, concurrency", [(1, False, False, 16), (2, True, False, 8),
+                                                       pytest.param(3, True, False, 1, marks=SLOW),
+                                                       pytest.param(1, True, True, 4, marks=SLOW), (3, False, True, 8)])
 def test_greedy_losslessness(K, pd, eager, concurrency):
     n = 16 if concurrency == 16 else 10
     prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(n)]
@@ -127,7 +132,8 @@ def test_pd_state_equivalence_after_first_decode_step(padded):
     assert D.output(rid).token_ids == ref(p, 1)
 
 
-@pytest.mark.parametrize("kind", ["placeholder", "zero", "out_of_range", "true_argmax", "mixed"])
+@pytest.mark.parametrize("kind", ["placeholder", pytest.param("zero", marks=SLOW),
+                                  pytest.param("out_of_range", marks=SLOW), "true_argmax", "mixed"])
 def test_adversarial_drafts_change_acceptance_only(kind):
     K = 3
     prompts = [prompt(300 + i, 5 + 3 * i) for i in range(4)]
