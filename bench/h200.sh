@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-pool|prefill|spec|pd|startup ...]   (default: all but
-#   decode-pool and prefill-pallas, in this order; those two time the opt-in in-place GDN pool kernel and
-#   the paged flash-attention kernel)
+#   bash bench/h200.sh [tests|kernels|decode|decode-async|prefill|prefill-pallas|spec|pd|startup ...]
+#   (default: all but decode-async and prefill-pallas, in this order; those two time the opt-in async
+#   scheduling and the paged flash-attention kernel)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
 # allows 600 s: pass two or three steps per call (e.g. "tests kernels", "decode", "prefill spec", "pd startup").
@@ -19,8 +19,8 @@ for step in $steps; do
     tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -5 ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    decode-pool) timeout 300 python3 -m jaxgdn.bench decode --gdn-impl pallas_pool --no-peer \
-               --out "$dest/decode-pool_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    decode-async) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling --no-peer \
+               --out "$dest/decode-async_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

@@ -7,6 +7,7 @@ parameters) are finished at once with finish_reason "error" and a message; the o
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from typing import Callable, Iterable
@@ -20,8 +21,9 @@ from .engine_config import EngineConfig
 from .input_batch import build_step
 from .params import ModelParams
 from .pd import export_handoff, import_handoff
-from .request import Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
-from .runner import ModelRunner, enable_compilation_cache
+from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind,
+                      SamplingParams)
+from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 
 
@@ -66,6 +68,9 @@ class LLMEngine:
         self.handoff_bytes_in = 0
         # Test hook: replace the MTP drafts of a request before they are verified (adversarial drafts).
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
+        # Async scheduling: the dispatched step whose results are not applied yet.
+        self.async_scheduling = ecfg.async_scheduling
+        self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -131,32 +136,20 @@ class LLMEngine:
         return self.runner.timings
 
     def step(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        self.timings["schedule"] += time.perf_counter() - t0
+        """Schedule and run one step; returns what was scheduled. With async scheduling the results
+        applied during this call are those of the previous step (this step's are still on the device)."""
+        if self.async_scheduling:
+            return self._step_async()
+        out = self._schedule()
         if not out.rows:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
             return out
-        for row in out.rows:
-            req = row.request
-            self.slot_prefill_len[req.slot] = req.prefill_len
-            if req.handoff is not None:  # admitted this step: its state goes into the fresh slot/pages
-                self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
-                                                   self.device)
-                req.handoff = None
-        t0 = time.perf_counter()
-        arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len)
-        self.timings["build"] += time.perf_counter() - t0
-        res = self.runner.run(arrays)
+        res = self.runner.run(self._prepare(out))
         self.num_steps += 1
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(out.rows):
             req = row.request
-            if self.record_inputs:
-                fed = self.fed_tokens.setdefault(req.request_id, [])
-                fed += [(req.num_computed + i, int(res.input_ids[t + i])) for i in range(row.num_tokens)]
+            self._record_inputs(req, req.num_computed, res.input_ids[t : t + row.num_tokens])
             t += row.num_tokens
             n_draft = len(row.spec_tokens)
             n_sampled = int(res.num_sampled[b])
@@ -166,7 +159,8 @@ class LLMEngine:
                 self._count_acceptance(req, n_draft, n_sampled - 1)
             if row.samples:
                 for token in res.tokens[b, :n_sampled]:
-                    self._append_token(req, int(token), now)
+                    req.output_token_ids.append(int(token))
+                    self._finish_if_done(req, int(token), now)
                     if req.status is RequestStatus.FINISHED:
                         break
                 if req.status is RequestStatus.RUNNING and self.K:
@@ -180,6 +174,89 @@ class LLMEngine:
                 self.scheduler.finish(req, "handoff")
         self.timings["update"] += time.perf_counter() - now
         return out
+
+    def _schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.timings["schedule"] += time.perf_counter() - t0
+        if not out.rows and self.scheduler.has_unfinished and self._in_flight is None:
+            raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
+        return out
+
+    def _prepare(self, out: SchedulerOutput):
+        """Import admitted PD handoffs into their fresh slots and build the step's host arrays."""
+        for row in out.rows:
+            req = row.request
+            self.slot_prefill_len[req.slot] = req.prefill_len
+            if req.handoff is not None:  # admitted this step: its state goes into the fresh slot/pages
+                self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
+                                                   self.device)
+                req.handoff = None
+        t0 = time.perf_counter()
+        arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len)
+        self.timings["build"] += time.perf_counter() - t0
+        return arrays
+
+    def _record_inputs(self, req: Request, start: int, ids) -> None:
+        if self.record_inputs:
+            self.fed_tokens.setdefault(req.request_id, []).extend((start + i, int(t)) for i, t in enumerate(ids))
+
+    # ------------------------------------------------------------------------------------ async scheduling
+    def _step_async(self) -> SchedulerOutput:
+        """Schedule and launch step n+1 before step n's tokens come back, so host work overlaps the device.
+
+        Exact because (K = 0) every scheduled row advances by its token count whatever it samples and the
+        sampled token reaches the next step on the device (last_sampled), never through the host. A
+        sampling row appends a placeholder output, filled when its step's results are applied. A request
+        whose step n token ends it (stop token) was already scheduled in step n+1: that row's work is
+        discarded. A request whose placeholder is its last allowed token is not scheduled again. When the
+        coming schedule could preempt (not enough free pages for every running request's next window),
+        the step in flight is applied first: a preempted request is recomputed from its real tokens."""
+        if self._in_flight is not None and self.scheduler.may_preempt():
+            self._apply_in_flight()
+        out = self._schedule()
+        flight = None
+        if out.rows:
+            pending = self.runner.dispatch(self._prepare(out))
+            self.num_steps += 1
+            starts, out_index = [], []
+            for row in out.rows:
+                req = row.request
+                starts.append(req.num_computed)
+                req.num_computed += row.num_tokens
+                out_index.append(len(req.output_token_ids) if row.samples else -1)
+                if row.samples:
+                    req.output_token_ids.append(PLACEHOLDER_TOKEN)
+                    req.awaiting_final_token = self._length_reached(req, len(req.output_token_ids))
+            flight = _InFlight(out, pending, starts, out_index)
+        previous, self._in_flight = self._in_flight, flight
+        if previous is not None:
+            self._apply(previous)
+        return out
+
+    def _apply_in_flight(self) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._apply(previous)
+
+    def _apply(self, flight: "_InFlight") -> None:
+        """Fill the placeholders of a dispatched step with its sampled tokens and finish requests."""
+        res = self.runner.fetch(flight.pending)
+        now = time.perf_counter()
+        t = 0
+        for b, row in enumerate(flight.out.rows):
+            req = row.request
+            self._record_inputs(req, flight.starts[b], res.input_ids[t : t + row.num_tokens])
+            t += row.num_tokens
+            i = flight.out_index[b]
+            if i < 0 or req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
+                continue
+            token = int(res.tokens[b, 0])
+            req.output_token_ids[i] = token
+            self._finish_if_done(req, token, now, num_outputs=i + 1)
+            if req.status is RequestStatus.FINISHED:
+                del req.output_token_ids[i + 1 :]  # placeholders of steps launched after this token
+        self.timings["update"] += time.perf_counter() - now
 
     def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:
         self.num_verify_rows += 1
@@ -200,32 +277,52 @@ class LLMEngine:
             "mean_acceptance_length": 1 + accepted / self.num_verify_rows if self.num_verify_rows else None,
         }
 
-    def _append_token(self, req: Request, token: int, now: float) -> None:
-        req.output_token_ids.append(token)
+    def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None) -> None:
+        """Bookkeeping for a request's output token number num_outputs (default: its last one): first
+        token time, and finishing on a stop token, max_tokens or max_model_len."""
+        num_outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         sp = req.sampling_params
         if (not sp.ignore_eos and token in self.cfg.eos_token_ids) or token in sp.stop_token_ids:
             self.scheduler.finish(req, "stop")
-        elif len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.ecfg.max_model_len:
+        elif self._length_reached(req, num_outputs):
             self.scheduler.finish(req, "length")
+
+    def _length_reached(self, req: Request, num_outputs: int) -> bool:
+        """Whether output number num_outputs is the request's last: max_tokens or max_model_len."""
+        return (num_outputs >= req.sampling_params.max_tokens
+                or len(req.prompt_token_ids) + num_outputs >= self.ecfg.max_model_len)
 
     def run_until_done(self, on_step: Callable[[], None] | None = None) -> None:
         while self.has_unfinished:
             self.step()
             if on_step:
                 on_step()
+        self._apply_in_flight()  # async: a last step of requests that had all finished
 
     # ------------------------------------------------------------------------------------ outputs
     def output(self, rid: int) -> RequestOutput:
         req = self.requests[rid]
-        text = self.decode(req.output_token_ids) if (self.decode and req.error is None) else None
+        tokens = [t for t in req.output_token_ids if t != PLACEHOLDER_TOKEN]  # async: values still in flight
+        text = self.decode(tokens) if (self.decode and req.error is None) else None
         return RequestOutput(
-            request_id=rid, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            request_id=rid, prompt_token_ids=req.prompt_token_ids, token_ids=tokens,
             text=text, finish_reason=req.finish_reason, error=req.error, ttft=req.metrics.ttft,
-            tpot=req.metrics.tpot(len(req.output_token_ids)), num_preemptions=req.metrics.num_preemptions,
+            tpot=req.metrics.tpot(len(tokens)), num_preemptions=req.metrics.num_preemptions,
             num_drafted=req.metrics.num_drafted, num_accepted_drafts=req.metrics.num_accepted_drafts,
         )
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:
         return [self.output(r) for r in rids]
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step (async scheduling): its rows, device results, each row's first position and
+    the index of its placeholder output token (-1 for rows that do not sample)."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+    starts: list[int]
+    out_index: list[int]

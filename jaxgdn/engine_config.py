@@ -34,6 +34,9 @@ class EngineConfig:
     prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
     compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
       cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
+    async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
+      the device (vLLM's async scheduling); same outputs. Without MTP drafts and PD only. Off by default
+      until measured on a GPU.
     """
 
     max_num_seqs: int = 16
@@ -53,6 +56,7 @@ class EngineConfig:
     prefill_device: int | None = None
     decode_device: int | None = None
     compilation_cache: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self):
         checks = [
@@ -65,6 +69,9 @@ class EngineConfig:
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
             (self.attention_impl in ("xla", "pallas"), "attention_impl must be 'xla' or 'pallas'"),
+            (not self.async_scheduling or (self.num_speculative_tokens == 0 and not self.pd),
+             "async_scheduling needs num_speculative_tokens=0 and pd=False (how many drafts a step accepts, "
+             "and a PD handoff, are only known once its results are back)"),
         ]
         for ok, msg in checks:
             if not ok:

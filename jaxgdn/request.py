@@ -69,6 +69,10 @@ class RequestMetrics:
         return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
 
 
+# Async scheduling: an output token whose step is dispatched but whose value is still on the device.
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """Host-side request state. `num_computed` tokens of `all_token_ids` are in the caches.
@@ -91,6 +95,8 @@ class Request:
     prefill_only: bool = False  # a PD prefill worker's request: stop after the prompt, export a handoff
     next_prompt_token: int | None = None  # prefill_only: the prompt token after this worker's tokens (x_N)
     handoff: object | None = None  # a PD decode worker's request: state to import on admission
+    # Async scheduling: the last output this request may produce is in flight; do not schedule it again.
+    awaiting_final_token: bool = False
 
     def __post_init__(self):
         self.prefill_len = len(self.prompt_token_ids)

@@ -238,9 +238,8 @@ class ModelRunner:
     def num_compiled_shapes(self) -> int:
         return len(self.shapes_seen)
 
-    def run(self, arrays: StepArrays) -> "StepResult":
-        """Run one step; the results come back to the host. Adds the seconds of each phase (host-to-device
-        copy, dispatch of the jitted step, waiting for and copying back its results) to self.timings."""
+    def dispatch(self, arrays: StepArrays) -> "PendingStep":
+        """Copy the step's arrays to the device and launch the jitted step without waiting for it."""
         stochastic = bool(np.any(arrays.temperature > 0))
         self.shapes_seen.add((*arrays.shape_key, stochastic))
         t0 = time.perf_counter()
@@ -249,14 +248,30 @@ class ModelRunner:
         self.last_device_args = buf, layout, stochastic  # benchmarks replay them to time the device step
         t1 = time.perf_counter()
         self.state, flat = self._step(self.params, self.state, buf, layout, stochastic)
-        t2 = time.perf_counter()
-        flat = np.asarray(flat)
         self.timings["transfer"] += t1 - t0
-        self.timings["dispatch"] += t2 - t1
-        self.timings["wait"] += time.perf_counter() - t2
-        R, K = arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1]
+        self.timings["dispatch"] += time.perf_counter() - t1
+        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1])
+
+    def fetch(self, pending: "PendingStep") -> "StepResult":
+        """Wait for a dispatched step and copy its results to the host (one transfer)."""
+        t0 = time.perf_counter()
+        flat = np.asarray(pending.flat)
+        self.timings["wait"] += time.perf_counter() - t0
+        R, K = pending.num_rows, pending.num_drafts
         tokens, num_sampled, drafts, ids = np.split(flat, np.cumsum([R * (1 + K), R, R * K]))
         return StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids)
+
+    def run(self, arrays: StepArrays) -> "StepResult":
+        """Run one step and bring its results back. self.timings sums the seconds of each phase: transfer
+        (host-to-device copy), dispatch (launch of the jitted step), wait (for its results)."""
+        return self.fetch(self.dispatch(arrays))
+
+
+@dataclasses.dataclass
+class PendingStep:
+    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids]
+    num_rows: int
+    num_drafts: int
 
 
 @dataclasses.dataclass

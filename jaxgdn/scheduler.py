@@ -105,6 +105,7 @@ class Scheduler:
         req.num_computed = 0
         req.prefill_len = req.num_tokens
         req.spec_token_ids = []
+        req.awaiting_final_token = False
         req.handoff = None  # imported state is gone with the pages; recompute from scratch
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -133,6 +134,12 @@ class Scheduler:
         samples = req.num_computed + n - len(spec) == req.num_tokens and not req.prefill_only
         return ScheduledRow(req, n, kind, samples=samples, spec_tokens=spec)
 
+    def may_preempt(self) -> bool:
+        """Whether the next schedule() could preempt: the running requests' next windows (at most all
+        their known tokens plus K lookahead) might need more pages than are free."""
+        need = sum(self.pages_needed(r, min(r.num_tokens + self.K, self.ecfg.max_model_len)) for r in self.running)
+        return need > self.pages.num_free
+
     def _pages_for(self, row: ScheduledRow) -> int:
         """Pages for the window plus K lookahead positions that the MTP drafts write."""
         req = row.request
@@ -144,8 +151,8 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING:  # preempted by an earlier row of this step
-                continue
+            if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
+                continue  # preempted by an earlier row of this step, or its last token is in flight
             row = self._plan(req, budget, rows)
             if row is None:
                 continue

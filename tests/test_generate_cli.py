@@ -1,23 +1,35 @@
 """The generate CLI: clear messages for missing checkpoints and prompts; greedy output equals the model's."""
 
+import pytest
+
 from helpers import naive_greedy, small_config
 from jaxgdn import generate
 from jaxgdn.checkpoint import save_checkpoint
 from jaxgdn.params import init_random_params
 
 
-def test_cli_generates_greedy_tokens_with_pd_and_mtp(tmp_path, capsys):
+@pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"], ["--async-scheduling"]])
+def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=2)
     save_checkpoint(tmp_path / "ck", cfg, params)
     rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6,7", "--max-tokens", "4",
-                        "--pd", "--num-speculative-tokens", "2", "--max-model-len", "64", "--kv-page-size", "8"])
+                        "--max-model-len", "64", "--kv-page-size", "8", *flags])
     assert rc == 0
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith("ids [")][0]
     got = [int(x) for x in line[len("ids ["):-1].split(",")]
     assert got == naive_greedy(params, cfg, [5, 6, 7], 4)
-    assert "MTP K=2" in out and "PD:" in out
+    if "--pd" in flags:
+        assert "MTP K=2" in out and "PD:" in out
+
+
+def test_cli_rejects_async_scheduling_with_mtp(tmp_path, capsys):
+    cfg = small_config(eos_token_ids=())
+    save_checkpoint(tmp_path / "ck", cfg, init_random_params(cfg, seed=2))
+    rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6", "--async-scheduling",
+                        "--num-speculative-tokens", "1"])
+    assert rc == 2 and "async_scheduling needs" in capsys.readouterr().err
 
 
 def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):

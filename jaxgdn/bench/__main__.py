@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--steps", type=int, default=32, help="decode steps timed (median)")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
+            m.add_argument("--async-scheduling", action="store_true",
+                           help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back")
             m.add_argument("--profile", default=None, metavar="DIR",
                            help="also trace 5 replayed steps per batch into DIR and put the top kernels in the JSON")
         else:

@@ -81,7 +81,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 
 def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0,
-                gdn_impl: str = "auto", attention_impl: str = "xla"):
+                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool = False):
     """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
     fraction), bf16, K MTP drafts."""
     from ..engine import LLMEngine
@@ -91,12 +91,13 @@ def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int
     pages = batch * -(-max_model_len // ps) + 1
     ecfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
-                        gdn_impl=gdn_impl, attention_impl=attention_impl)
+                        gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling)
     return LLMEngine(params, cfg, ecfg)
 
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
-                     profile_dir: str | None = None, attention_impl: str = "xla") -> dict:
+                     profile_dir: str | None = None, attention_impl: str = "xla",
+                     async_scheduling: bool = False) -> dict:
     """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
     profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
     from ..request import SamplingParams
@@ -104,7 +105,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     warm = 3
     eng = make_engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
                       max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
-                      attention_impl=attention_impl)
+                      attention_impl=attention_impl, async_scheduling=async_scheduling)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
     for _ in range(batch):
@@ -272,7 +273,8 @@ def bench_decode(args) -> dict:
     for batch in args.batch:
         profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
-                             profile_dir=profile, attention_impl=args.attention_impl)
+                             profile_dir=profile, attention_impl=args.attention_impl,
+                             async_scheduling=args.async_scheduling)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
@@ -300,7 +302,8 @@ def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
 
 
 def _decode_payload(args, sizes, bw, rows) -> dict:
-    return _payload("decode", args, sizes, rows, bandwidth_gbs=bw, timing=DECODE_TIMING)
+    return _payload("decode", args, sizes, rows, bandwidth_gbs=bw, timing=DECODE_TIMING,
+                    async_scheduling=args.async_scheduling)
 
 
 def bench_prefill(args) -> dict:
