@@ -23,7 +23,7 @@ for step in $steps; do
                --out "$dest/decode-async_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    prefill) timeout 240 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \

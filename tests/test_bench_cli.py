@@ -30,14 +30,14 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
 @pytest.mark.parametrize("command, extra", [
     ("decode", ["--batch", "1", "2", "--steps", "3", "--bandwidth-bytes", "1000000", "--profile", "PROFILE",
                 "--async-scheduling"]),
-    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128"]),
+    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE"]),
 ])
 def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     extra = [str(tmp_path / "profile") if a == "PROFILE" else a for a in extra]
     d = run(tmp_path, command, "--model", TINY, "--no-peer", *extra)
-    if command == "decode":  # the trace of replayed steps is summarised into the row
-        prof = d["rows"][0]["profile_per_step"]
-        assert prof["busy_us"] > 0 and prof["events"] > 0 and prof["top"]
+    prof = d["rows"][0]["profile_per_step"]  # the trace of replayed steps is summarised into the row
+    assert prof["busy_us"] > 0 and prof["events"] > 0 and prof["top"]
+    if command == "decode":
         assert d["async_scheduling"] and d["rows"][1]["generated"] == 2 * (3 + 3)  # warm-up + timed steps each
         assert {"schedule", "build", "dispatch", "wait"} <= set(d["rows"][0]["host_phase_ms_per_step"])
     assert len(d["rows"]) == 2 and d["weight_bytes"] > 0

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument("--no-peer", action="store_true", help="skip transformers")
         m.add_argument("--gdn-impl", default="auto", help="EngineConfig.gdn_impl (auto, pallas_pool, chunked, ...)")
         m.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="EngineConfig.attention_impl")
+        m.add_argument("--profile", default=None, metavar="DIR",
+                       help="also trace replayed steps per shape into DIR and put their top kernels in the JSON")
         if name == "decode":
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
@@ -67,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
             m.add_argument("--async-scheduling", action="store_true",
                            help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back")
-            m.add_argument("--profile", default=None, metavar="DIR",
-                           help="also trace 5 replayed steps per batch into DIR and put the top kernels in the JSON")
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")

@@ -110,7 +110,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
-    times, t_first = [], time.perf_counter()
+    times, t_first, before = [], time.perf_counter(), {}
     while eng.has_unfinished:
         if len(times) == 1 + warm:  # step 0 runs the prompts; the next ones compile the decode bucket
             before = dict(eng.timings)
@@ -126,19 +126,25 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
            "spec": eng.spec_metrics() if K else None}
     if profile_dir:
-        import jax
-
-        from .common import profile_summary
-
-        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            eng.runner.time_device_step(iters=5)
-        out["profile_per_step"] = profile_summary(profile_dir, divide_by=5 + 2)  # 2 warm-up replays inside
+        out["profile_per_step"] = profile_replayed_steps(eng, profile_dir)
     return out
 
 
+def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
+    """Trace `iters` replays of the engine's last device step into profile_dir; the kernels per step."""
+    import jax
+
+    from .common import profile_summary
+
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+        eng.runner.time_device_step(iters=iters)
+    return profile_summary(profile_dir, divide_by=iters + 2)  # time_device_step replays twice to warm up
+
+
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gdn_impl: str = "auto",
-                      attention_impl: str = "xla") -> float:
-    """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens."""
+                      attention_impl: str = "xla", profile_dir: str | None = None) -> tuple[float, dict | None]:
+    """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens, and with
+    profile_dir the kernels of that step replayed (None without)."""
     from ..request import SamplingParams
 
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
@@ -157,7 +163,8 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gd
         assert steps == 1, f"prefill of {batch}x{length} took {steps} steps"
         if i:
             runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) * 1e3
+    profile = profile_replayed_steps(eng, profile_dir, iters=2) if profile_dir else None
+    return statistics.median(runs) * 1e3, profile
 
 
 # ----------------------------------------------------------------------------- transformers peer
@@ -311,10 +318,14 @@ def bench_prefill(args) -> dict:
     tflops = measured_matmul_tflops(args.matmul_size)
     rows = []
     for batch, length in args.shapes:
-        ms = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl, attention_impl=args.attention_impl)
+        profile = os.path.join(args.profile, f"{batch}x{length}") if args.profile else None
+        ms, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
+                                        attention_impl=args.attention_impl, profile_dir=profile)
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
                "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3}
+        if kernels:
+            row["profile_per_step"] = kernels
         row["over_floor"] = ms / row["flop_floor_ms"]
         rows.append(row)
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
