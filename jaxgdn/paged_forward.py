@@ -145,14 +145,26 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,
-                  attention_impl: str = "xla"):
+                  attention_impl: str = "xla", rows_are_flat: bool | None = None):
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
-    [R, Q, H], new EngineState)."""
+    [R, Q, H], new EngineState).
+
+    rows_are_flat (static; default: Q == 1, a step of single-token rows): flat tokens [0, R*Q) are the
+    [R, Q] view row by row, so the two forms are reshapes instead of a gather and a scatter around every
+    token mixer. Padding rows then carry the padding tokens' values; no layer mixes rows and only the
+    null page/slot receive their writes, so they are never read."""
     T = input_ids.shape[0]
-    cell = jnp.clip(view.token_index, 0, T - 1)
-    flat_index = jnp.where(view.valid, view.token_index, T)
-    to_rows = lambda x: x[cell]  # noqa: E731  [T, ...] -> [R, Q, ...]
-    to_flat = lambda y: jnp.zeros((T, *y.shape[2:]), y.dtype).at[flat_index].set(y, mode="drop")  # noqa: E731
+    R, Q = view.token_index.shape
+    if rows_are_flat is None:
+        rows_are_flat = Q == 1 and R <= T
+    if rows_are_flat:
+        to_rows = lambda x: x[: R * Q].reshape(R, Q, *x.shape[1:])  # noqa: E731
+        to_flat = lambda y: jnp.pad(y.reshape(R * Q, *y.shape[2:]), [(0, T - R * Q)] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
+    else:
+        cell = jnp.clip(view.token_index, 0, T - 1)
+        flat_index = jnp.where(view.valid, view.token_index, T)
+        to_rows = lambda x: x[cell]  # noqa: E731  [T, ...] -> [R, Q, ...]
+        to_flat = lambda y: jnp.zeros((T, *y.shape[2:]), y.dtype).at[flat_index].set(y, mode="drop")  # noqa: E731
     # Norms and MLPs run on the flat tokens; only the token mixers see the [R, Q] view, whose padding
     # (R*Q can be several times T in a mixed prefill/decode step) would otherwise multiply their cost.
     x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]  # [T, H]

@@ -224,3 +224,41 @@ def test_request_token_slice_matches_the_concatenated_sequence():
     assert [req.token_after(p) for p in range(5)] == full and req.token_after(5) == 0
     req.next_prompt_token = 13
     assert req.token_after(5) == 13
+
+
+def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_path(monkeypatch):
+    """A step of single-token rows (Q = 1) runs the model with reshapes between the flat and [R, Q] forms;
+    it must give the same tokens and state as the general gather/scatter path."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgdn import runner as runner_module
+    from jaxgdn.paged_forward import forward_paged
+    from jaxgdn.runner import pack_step_arrays
+
+    eng = engine()
+    seen = []
+    dispatch = eng.runner.dispatch
+    eng.runner.dispatch = lambda arrays: seen.append(arrays) or dispatch(arrays)
+    for i in range(3):
+        eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
+    eng.step()  # the prompts
+    eng.step()  # three decodes: [R, Q] = [4, 1]
+    assert seen[1].token_index.shape == (4, 1)
+    buf, layout = pack_step_arrays(seen[1])
+    results = []
+    for flat in (None, False):  # None: the default, which reshapes when Q == 1
+        monkeypatch.setattr(runner_module, "forward_paged", functools.partial(forward_paged, rows_are_flat=flat))
+        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
+                                         input_impl="xla", unguarded=False), static_argnums=(3, 4))
+        state = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
+        new_state, packed = step(eng.runner.params, state, jnp.asarray(buf), layout, False)
+        results.append((np.asarray(packed), jax.tree_util.tree_leaves(new_state)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim > 1:  # pools: entry 0 is the null page / null slot, a sink for padding rows' writes
+            a, b = a[1:], b[1:]
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
