@@ -38,6 +38,8 @@ def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
         if name == "row_kind":  # host-side bookkeeping only
             continue
         x = np.ascontiguousarray(x)
+        if x.dtype.itemsize != 4 and x.dtype != np.bool_:
+            raise TypeError(f"StepArrays.{name}: {x.dtype} does not travel in the int32 buffer")
         parts.append(x.view(np.int32).ravel() if x.dtype.itemsize == 4 else x.astype(np.int32).ravel())
         layout.append((name, x.shape, x.dtype.name))
     return np.concatenate(parts), tuple(layout)
@@ -224,6 +226,7 @@ class ModelRunner:
         is done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
+
         def run(n):
             for _ in range(n):
                 self.state, flat = self._step(self.params, self.state, *self.last_device_args)
