@@ -16,7 +16,8 @@ stamp=$(date -u +%Y%m%d)
 steps=${*:-tests kernels decode prefill spec pd startup}
 for step in $steps; do
   case $step in
-    tests)   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -5 ;;
+    tests)   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py > "$dest/gpu-tests_$stamp.txt" 2>&1
+             tail -3 "$dest/gpu-tests_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode-async) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling --no-peer \
