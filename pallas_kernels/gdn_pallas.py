@@ -64,7 +64,7 @@ def _pad_heads(q, k, v, initial_state):
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, pv)])
     if pk or pv:
         initial_state = jnp.pad(initial_state, [(0, 0), (0, 0), (0, pk), (0, pv)])
-    return q, k, v, initial_state, (dk, dv)
+    return q, k, v, initial_state
 
 
 def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
@@ -110,7 +110,7 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
     with keep_states, the state after every step [B, T, Hv, dk, dv] (the spec-verify checkpoints)."""
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    q, k, v, s0, _ = _pad_heads(q, k, v, initial_state)
+    q, k, v, s0 = _pad_heads(q, k, v, initial_state)
     dkp, dvp = q.shape[-1], v.shape[-1]
     BV = _value_block(dvp, B * Hv)
     out_shape = [jax.ShapeDtypeStruct((B, T, Hv, dvp), f32), jax.ShapeDtypeStruct((B, Hv, dkp, dvp), f32)]
@@ -289,7 +289,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32)."""
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    q, k, v, s0, _ = _pad_heads(q, k, v, initial_state)
+    q, k, v, s0 = _pad_heads(q, k, v, initial_state)
     dkp, dvp = q.shape[-1], v.shape[-1]
     pad = (-T) % CHUNK
     g, beta = g.astype(f32), beta.astype(f32)
