@@ -262,3 +262,21 @@ def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_p
         if a.ndim > 1:  # pools: entry 0 is the null page / null slot, a sink for padding rows' writes
             a, b = a[1:], b[1:]
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference():
+    """Each step's input is written into one resident device buffer per size (XLA's CUDA graphs keep
+    their input addresses); its address must not change from step to step, and tokens stay exact."""
+    eng = engine()
+    seen = []
+    upload = eng.runner._upload
+    eng.runner._upload = lambda host, **kw: seen.append((host.size, (buf := upload(host, **kw)).unsafe_buffer_pointer())) or buf
+    p = prompt(700, 9)
+    rid = eng.add_request(p, GREEDY)
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.requests[rid].output_token_ids == reference(p, GREEDY.max_tokens)
+    decode = seen[1:]  # the prompt step has its own buffer size
+    assert len(decode) >= 3 and len({size for size, _ in decode}) == 1
+    # the first upload may be a zero-copy host view that cannot be donated; from the second on, one address
+    assert len({address for _, address in decode[1:]}) == 1

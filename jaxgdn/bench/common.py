@@ -97,10 +97,11 @@ def measured_matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40) -> dict:
+def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40, host_top: int = 25) -> dict:
     """Summarise a `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` capture: per device
     process (GPU streams when there are any, else the host), total busy time and the kernels that took it,
-    in microseconds per `divide_by` (e.g. per step)."""
+    in microseconds per `divide_by` (e.g. per step). With GPU streams, `host` lists the host-side runtime
+    events (launches, command-buffer updates, transfers; nested events each count) the same way."""
     import collections
     import gzip
     import glob
@@ -117,13 +118,20 @@ def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40) -> dict:
     keep = device_pids or set(names)
     per_kernel: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    host: collections.Counter = collections.Counter()
+    host_counts: collections.Counter = collections.Counter()
     start, end = float("inf"), 0.0
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in keep:
+        if e.get("ph") != "X":
+            continue
+        if e.get("pid") in keep:
             per_kernel[e["name"]] += e.get("dur", 0)
             counts[e["name"]] += 1
             start, end = min(start, e["ts"]), max(end, e["ts"] + e.get("dur", 0))
-    return {
+        elif device_pids and not e["name"].startswith("$"):  # "$file:line fn" are Python frames
+            host[e["name"]] += e.get("dur", 0)
+            host_counts[e["name"]] += 1
+    summary = {
         "processes": sorted(names[p] for p in keep),
         # span minus busy is time the device sat idle between kernels (launch overhead, host waits)
         "span_us": max(end - start, 0.0) / divide_by,
@@ -131,3 +139,7 @@ def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40) -> dict:
         "events": sum(counts.values()) / divide_by,
         "top": [[name, us / divide_by, counts[name] / divide_by] for name, us in per_kernel.most_common(top)],
     }
+    if host:
+        summary["host"] = [[name, us / divide_by, host_counts[name] / divide_by]
+                           for name, us in host.most_common(host_top)]
+    return summary

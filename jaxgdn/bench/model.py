@@ -11,6 +11,7 @@ prefill: wall time of the engine step that runs whole prompts (B x L in one step
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -100,6 +101,8 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
                      async_scheduling: bool = False) -> dict:
     """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
     profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
+    import jax
+
     from ..request import SamplingParams
 
     warm = 3
@@ -111,21 +114,31 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
     times, t_first, before = [], time.perf_counter(), {}
-    while eng.has_unfinished:
-        if len(times) == 1 + warm:  # step 0 runs the prompts; the next ones compile the decode bucket
-            before = dict(eng.timings)
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
+    traced_steps = 5 if profile_dir else 0  # the last ones: real steps, host preparation included
+    tracing = contextlib.ExitStack()
+    with tracing:
+        while eng.has_unfinished:
+            if len(times) == 1 + warm:  # step 0 runs the prompts; the next ones compile the decode bucket
+                before = dict(eng.timings)
+            if traced_steps and len(times) == warm + steps - traced_steps:
+                tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
     decode = times[1 + warm :]
     phases = {k: (v - before.get(k, 0.0)) / len(decode) * 1e3 for k, v in eng.timings.items()}
     generated = sum(len(r.output_token_ids) for r in eng.requests.values())
     out = {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
+           # the same replays with the input copied to a new device buffer each time, as real steps do
+           "device_ms_per_step_fresh_input": eng.runner.time_device_step(fresh_input=True),
            "host_phase_ms_per_step": phases,
            "steps": len(times), "generated": generated,
            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
            "spec": eng.spec_metrics() if K else None}
     if profile_dir:
+        from .common import profile_summary
+
+        out["profile_engine_steps"] = profile_summary(profile_dir + "-engine", divide_by=traced_steps)
         out["profile_per_step"] = profile_replayed_steps(eng, profile_dir)
     return out
 
