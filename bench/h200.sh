@@ -16,11 +16,14 @@ stamp=$(date -u +%Y%m%d)
 steps=${*:-tests kernels decode prefill spec pd startup}
 for step in $steps; do
   case $step in
-    tests)   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py > "$dest/gpu-tests_$stamp.txt" 2>&1
-             tail -3 "$dest/gpu-tests_$stamp.txt" ;;
+    # the two-device test runs apart (skipped on one GPU) with a stack dump if it stalls
+    tests)   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not two_devices" > "$dest/gpu-tests_$stamp.txt" 2>&1
+             timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k two_devices -o faulthandler_timeout=150 \
+               >> "$dest/gpu-tests_$stamp.txt" 2>&1
+             grep -E "passed|failed|error" "$dest/gpu-tests_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    decode-async) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling --no-peer \
+    decode-async) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling --no-peer --profile /tmp/jaxgdn-profile-async \
                --out "$dest/decode-async_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

@@ -95,6 +95,8 @@ def _write_conv(slots: GDNSlots, view: RowView, window, verify_buffer):
     """Non-verify rows write their new window at offset 0; verify rows the whole Kc-1+K buffer."""
     idx = view.idx_mapping
     kc1 = window.shape[1]
+    if verify_buffer is None and kc1 == slots.conv.shape[1]:  # no spec window (K = 0): one scatter
+        return slots.conv.at[idx].set(window.astype(slots.conv.dtype))
     conv = slots.conv[idx].at[:, :kc1].set(window.astype(slots.conv.dtype))
     if verify_buffer is not None:
         conv = jnp.where(view.verify_path[:, None, None], verify_buffer.astype(slots.conv.dtype), conv)
