@@ -69,7 +69,7 @@ class LLMEngine:
         # Test hook: replace the MTP drafts of a request before they are verified (adversarial drafts).
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         # Async scheduling: the dispatched step whose results are not applied yet.
-        self.async_scheduling = ecfg.async_scheduling
+        self.async_scheduling = ecfg.uses_async_scheduling
         self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------------------------ requests

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from .engine_config import ASYNC_SCHEDULING_CHOICES
+
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
@@ -51,9 +53,10 @@ def parse_args(argv=None):
                    help="input-assembly kernel (triton needs a GPU with jax-triton)")
     e.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP drafts per step, 0..3 (default 0; 1 in the no-argument demo)")
-    e.add_argument("--async-scheduling", action="store_true",
+    e.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="launch each step before the previous step's tokens are back (host work overlaps the "
-                        "device; same outputs; not with MTP drafts or --pd)")
+                        "device; same outputs). auto (default): on without MTP drafts and --pd; on: refused "
+                        "with them")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
             max_num_seqs=args.concurrency or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
             enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
-            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug, async_scheduling=args.async_scheduling,
+            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug, async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

@@ -78,7 +78,9 @@ def combine_xla(input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens,
         ids = ids.at[jnp.where(ok, pos, T)].set(draft_tokens[idx_mapping], mode="drop")
     # logits rows: row b's i-th logit row is cu[b] + i.
     rows = jnp.arange(num_logits)
-    owner = jnp.clip(jnp.searchsorted(cu_num_logits[1:], rows, side="right"), 0, R - 1)
+    # compare_all: the default binary search is a while loop, which XLA's GPU runtime runs outside its
+    # CUDA graphs with a host round trip per iteration; R is small, so compare every pair instead.
+    owner = jnp.clip(jnp.searchsorted(cu_num_logits[1:], rows, side="right", method="compare_all"), 0, R - 1)
     in_use = rows < cu_num_logits[-1]
     logits_indices = jnp.where(in_use, start[owner] + rows - cu_num_logits[owner], 0)
     return ids, logits_indices.astype(jnp.int32)

@@ -90,3 +90,11 @@ def test_async_launches_the_next_step_before_fetching_the_last():
 def test_async_scheduling_refuses_drafts_and_pd(kw):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, **kw)
+
+
+def test_async_scheduling_is_the_default_where_it_can_be():
+    assert EngineConfig().uses_async_scheduling
+    assert not EngineConfig(num_speculative_tokens=1).uses_async_scheduling
+    assert not EngineConfig(pd=True).uses_async_scheduling
+    assert not EngineConfig(async_scheduling=False).uses_async_scheduling
+    assert engine(None).async_scheduling and not engine(False).async_scheduling

@@ -8,7 +8,7 @@ from jaxgdn.checkpoint import save_checkpoint
 from jaxgdn.params import init_random_params
 
 
-@pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"], ["--async-scheduling"]])
+@pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"], ["--async-scheduling", "off"]])
 def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=2)
@@ -27,7 +27,7 @@ def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
 def test_cli_rejects_async_scheduling_with_mtp(tmp_path, capsys):
     cfg = small_config(eos_token_ids=())
     save_checkpoint(tmp_path / "ck", cfg, init_random_params(cfg, seed=2))
-    rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6", "--async-scheduling",
+    rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6", "--async-scheduling", "on",
                         "--num-speculative-tokens", "1"])
     assert rc == 2 and "async_scheduling needs" in capsys.readouterr().err
 

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..engine_config import ASYNC_SCHEDULING_CHOICES
 from .common import environment, write_result
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
@@ -67,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--steps", type=int, default=32, help="decode steps timed (median)")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
-            m.add_argument("--async-scheduling", action="store_true",
-                           help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back")
+            m.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
+                           help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back "
+                                "(auto, the engine's default: on without MTP drafts)")
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")

@@ -20,6 +20,7 @@ import traceback
 
 import numpy as np
 
+from ..engine_config import ASYNC_SCHEDULING_CHOICES
 from .common import measured_bandwidth_gbs, measured_matmul_tflops
 
 
@@ -82,7 +83,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 
 def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0,
-                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool = False):
+                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool | None = None):
     """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
     fraction), bf16, K MTP drafts."""
     from ..engine import LLMEngine
@@ -98,7 +99,7 @@ def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "xla",
-                     async_scheduling: bool = False) -> dict:
+                     async_scheduling: bool | None = None) -> dict:
     """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
     profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
     import jax
@@ -128,7 +129,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     decode = times[1 + warm :]
     phases = {k: (v - before.get(k, 0.0)) / len(decode) * 1e3 for k, v in eng.timings.items()}
     generated = sum(len(r.output_token_ids) for r in eng.requests.values())
-    out = {"ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
+    out = {"async_scheduling": eng.async_scheduling, "ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
            # the same replays with the input copied to a new device buffer each time, as real steps do
            "device_ms_per_step_fresh_input": eng.runner.time_device_step(fresh_input=True),
            "host_phase_ms_per_step": phases,
@@ -293,7 +294,7 @@ def bench_decode(args) -> dict:
         profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
                              profile_dir=profile, attention_impl=args.attention_impl,
-                             async_scheduling=args.async_scheduling)
+                             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling])
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
