@@ -161,8 +161,9 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gd
     profile_dir the kernels of that step replayed (None without)."""
     from ..request import SamplingParams
 
+    # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
-                      gdn_impl=gdn_impl, attention_impl=attention_impl)
+                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs = []
