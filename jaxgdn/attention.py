@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .mlp import linear
+from .mlp import linear, project
 from .norms import rms_norm_1p, upcast
 from .rope import apply_rope, rope_cos_sin
 from .state import KVCache
@@ -17,11 +17,13 @@ def project_qkv_gate(p, cfg: ModelConfig, x, positions):
     B, T, _ = x.shape
     D = cfg.head_dim
     # q_proj packs [query_h ‖ gate_h] per head; splitting the flat output in two halves would be wrong.
-    qg = linear(x, p.q_proj).reshape(B, T, cfg.num_attention_heads, 2 * D)
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qg, k, v = project(x, p, ("q_proj", "k_proj", "v_proj"), (2 * Hq * D, Hkv * D, Hkv * D))
+    qg = qg.reshape(B, T, Hq, 2 * D)
     query, gate = qg[..., :D], qg[..., D:].reshape(B, T, -1)
     q = rms_norm_1p(query, p.q_norm, cfg.rms_norm_eps)
-    k = rms_norm_1p(linear(x, p.k_proj).reshape(B, T, cfg.num_key_value_heads, D), p.k_norm, cfg.rms_norm_eps)
-    v = linear(x, p.v_proj).reshape(B, T, cfg.num_key_value_heads, D)
+    k = rms_norm_1p(k.reshape(B, T, Hkv, D), p.k_norm, cfg.rms_norm_eps)
+    v = v.reshape(B, T, Hkv, D)
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints
 
 from .config import ModelConfig
-from .mlp import linear
+from .mlp import linear, project
 from .norms import gated_rms_norm, upcast
 from .state import GDNState, empty_gdn_state
 
@@ -48,9 +48,10 @@ def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
     B, T, _ = x.shape
     Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = linear(x, p.in_proj_qkv)
-    z = linear(x, p.in_proj_z).reshape(B, T, Hv, dv)
-    g, beta = gdn_gates(p, linear(x, p.in_proj_a), linear(x, p.in_proj_b))
+    mixed, z, b, a = project(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                             (cfg.conv_dim, cfg.linear_value_dim, Hv, Hv))
+    z = z.reshape(B, T, Hv, dv)
+    g, beta = gdn_gates(p, a, b)
     if num_valid is not None:
         valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
         g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)

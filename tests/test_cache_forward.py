@@ -78,3 +78,28 @@ def test_recurrent_state_stays_fp32_with_bf16_weights():
     assert cache.layers[0].ssm.dtype == jnp.float32
     assert cache.layers[0].conv.dtype == jnp.bfloat16
     assert params.layers[0].mixer.A_log.dtype == jnp.float32
+
+
+def test_fused_projections_serve_the_same_logits():
+    """The serving layout (each layer's same-input projections as one matrix) computes the same
+    projections and logits, holds no unfused copy, and fusing twice changes nothing."""
+    from jaxgdn.mlp import linear, project
+    from jaxgdn.params import FUSED_PROJECTIONS, fuse_projections
+
+    fused = fuse_projections(PARAMS)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, CFG.hidden_size))
+    for layer, ref in zip(fused.layers, PARAMS.layers):
+        for p, r in ((layer.mixer, ref.mixer), (layer.mlp, ref.mlp)):
+            names = FUSED_PROJECTIONS[type(p)]
+            assert p.fused is not None and all(getattr(p, n) is None for n in names)
+            want = [linear(x, getattr(r, n)) for n in names]
+            got = project(x, p, names, tuple(w.shape[-1] for w in want))
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    again = fuse_projections(fused)
+    assert again.layers[0].mlp.fused is fused.layers[0].mlp.fused
+    # This random model is chaotic: scaling one weight matrix by 1 + 1e-7 moves its logits by ~2e-4, so
+    # fp32 rounding of a differently shaped product shows up at that size, not at TOL.
+    ids = random_ids(CFG, 2, 9, seed=5)
+    diff = np.abs(np.asarray(FWD(fused, CFG, ids)[0]) - full_logits(ids)).max()
+    assert diff <= 2e-3, diff
