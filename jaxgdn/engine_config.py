@@ -41,7 +41,7 @@ class EngineConfig:
     async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
       the device (vLLM's async scheduling); same outputs. Without MTP drafts and PD only. None (default):
       on wherever it can be (num_speculative_tokens=0 and pd=False); on the H200 it cut a 0.8B decode
-      step from 3.27 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
+      step from 3.26 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
       decode-async_gpu_20261130.json).
     """
 

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
             max_num_seqs=args.concurrency or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
             enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
-            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug, async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
+            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
+            async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

@@ -270,7 +270,13 @@ def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference(
     eng = engine()
     seen = []
     upload = eng.runner._upload
-    eng.runner._upload = lambda host, **kw: seen.append((host.size, (buf := upload(host, **kw)).unsafe_buffer_pointer())) or buf
+
+    def recording_upload(host, **kw):
+        buf = upload(host, **kw)
+        seen.append((host.size, buf.unsafe_buffer_pointer()))  # read now: the next step donates buf
+        return buf
+
+    eng.runner._upload = recording_upload
     p = prompt(700, 9)
     rid = eng.add_request(p, GREEDY)
     while eng.has_unfinished:

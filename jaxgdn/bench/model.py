@@ -101,7 +101,8 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
                      profile_dir: str | None = None, attention_impl: str = "xla",
                      async_scheduling: bool | None = None) -> dict:
     """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
-    profile_dir: also capture a trace of 5 replayed device steps there and summarise its kernels."""
+    profile_dir: also trace the last 5 engine steps (host work included) into profile_dir + "-engine" and
+    5 replayed device steps into profile_dir, and summarise their kernels and host runtime events."""
     import jax
 
     from ..request import SamplingParams
@@ -129,8 +130,9 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     decode = times[1 + warm :]
     phases = {k: (v - before.get(k, 0.0)) / len(decode) * 1e3 for k, v in eng.timings.items()}
     generated = sum(len(r.output_token_ids) for r in eng.requests.values())
-    out = {"async_scheduling": eng.async_scheduling, "ms_per_step": statistics.median(decode) * 1e3, "device_ms_per_step": eng.runner.time_device_step(),
-           # the same replays with the input copied to a new device buffer each time, as real steps do
+    out = {"async_scheduling": eng.async_scheduling, "ms_per_step": statistics.median(decode) * 1e3,
+           "device_ms_per_step": eng.runner.time_device_step(),
+           # the same replays with the input copied to a new device buffer each time (no resident buffer)
            "device_ms_per_step_fresh_input": eng.runner.time_device_step(fresh_input=True),
            "host_phase_ms_per_step": phases,
            "steps": len(times), "generated": generated,
