@@ -18,7 +18,7 @@ def project_qkv_gate(p, cfg: ModelConfig, x, positions):
     D = cfg.head_dim
     # q_proj packs [query_h ‖ gate_h] per head; splitting the flat output in two halves would be wrong.
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    qg, k, v = project(x, p, ("q_proj", "k_proj", "v_proj"), (2 * Hq * D, Hkv * D, Hkv * D))
+    qg, k, v = project(x, p, (2 * Hq * D, Hkv * D, Hkv * D))  # q_proj (with the gate), k_proj, v_proj
     qg = qg.reshape(B, T, Hq, 2 * D)
     query, gate = qg[..., :D], qg[..., D:].reshape(B, T, -1)
     q = rms_norm_1p(query, p.q_norm, cfg.rms_norm_eps)

@@ -48,8 +48,7 @@ def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
     B, T, _ = x.shape
     Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed, z, b, a = project(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-                             (cfg.conv_dim, cfg.linear_value_dim, Hv, Hv))
+    mixed, z, b, a = project(x, p, (cfg.conv_dim, cfg.linear_value_dim, Hv, Hv))  # in_proj_qkv, _z, _b, _a
     z = z.reshape(B, T, Hv, dv)
     g, beta = gdn_gates(p, a, b)
     if num_valid is not None:

@@ -4,15 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .params import FUSED_PROJECTIONS
+
 
 def linear(x, w):
     """x: [..., in], w: [out, in] (Hugging Face layout) -> [..., out]."""
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def project(x, p, names: tuple[str, ...], sizes: tuple[int, ...]):
-    """linear(x, p.<name>) for each name, as a tuple. With p.fused (those weights concatenated along their
-    output axis, `params.fuse_projections`) one product split at `sizes`, each name's output width."""
+def project(x, p, sizes: tuple[int, ...]):
+    """The layer's same-input projections (`params.FUSED_PROJECTIONS[type(p)]`, in that order) of x, as a
+    tuple. With p.fused (those weights concatenated along their output axis, `params.fuse_projections`)
+    one product split at `sizes`, each projection's output width."""
+    names = FUSED_PROJECTIONS[type(p)]
     if p.fused is None:
         return tuple(linear(x, getattr(p, n)) for n in names)
     return tuple(jnp.split(linear(x, p.fused), np.cumsum(sizes)[:-1].tolist(), axis=-1))
@@ -21,5 +25,5 @@ def project(x, p, names: tuple[str, ...], sizes: tuple[int, ...]):
 def mlp(p, x):
     """down(silu(gate(x)) * up(x)); p: MLPParams; x: [..., H]."""
     width = p.down_proj.shape[1]
-    gate, up = project(x, p, ("gate_proj", "up_proj"), (width, width))
+    gate, up = project(x, p, (width, width))  # gate_proj, up_proj
     return linear(jax.nn.silu(gate) * up, p.down_proj)

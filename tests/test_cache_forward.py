@@ -93,7 +93,7 @@ def test_fused_projections_serve_the_same_logits():
             names = FUSED_PROJECTIONS[type(p)]
             assert p.fused is not None and all(getattr(p, n) is None for n in names)
             want = [linear(x, getattr(r, n)) for n in names]
-            got = project(x, p, names, tuple(w.shape[-1] for w in want))
+            got = project(x, p, tuple(w.shape[-1] for w in want))
             for g, w in zip(got, want):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     again = fuse_projections(fused)
