@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-async|prefill|prefill-pallas|spec|pd|startup ...]
-#   (default: all but decode-async and prefill-pallas, in this order; those two time the opt-in async
-#   scheduling and the paged flash-attention kernel)
+#   bash bench/h200.sh [tests|kernels|decode|decode-sync|prefill|prefill-pallas|spec|pd|startup ...]
+#   (default: all but decode-sync and prefill-pallas, in this order; those two time the synchronous engine
+#   beside the default async scheduling, and the opt-in paged flash-attention kernel)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
 # allows 600 s: pass two or three steps per call (e.g. "tests kernels", "decode", "prefill spec", "pd startup").
@@ -23,8 +23,8 @@ for step in $steps; do
              grep -E "passed|failed|error" "$dest/gpu-tests_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    decode-async) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling --no-peer --profile /tmp/jaxgdn-profile-async \
-               --out "$dest/decode-async_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    decode-sync) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling off --no-peer --profile /tmp/jaxgdn-profile-sync \
+               --out "$dest/decode-sync_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

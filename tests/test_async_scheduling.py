@@ -18,7 +18,7 @@ def prompt(i: int, length: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(3000 + i).integers(0, CFG.vocab_size, length)]
 
 
-def engine(async_scheduling: bool, **kw) -> LLMEngine:
+def engine(async_scheduling: bool | None, **kw) -> LLMEngine:
     base = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8, dtype="float32")
     return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}, async_scheduling=async_scheduling), garbage_seed=5)
 

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument("--gdn-impl", default="auto", help="EngineConfig.gdn_impl (auto, pallas_pool, chunked, ...)")
         m.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="EngineConfig.attention_impl")
         m.add_argument("--profile", default=None, metavar="DIR",
-                       help="also trace replayed steps per shape into DIR and put their top kernels in the JSON")
+                       help="also trace steps per shape into DIR (decode: real engine steps and replayed device "
+                            "steps; prefill: replayed steps) and put their top kernels and host events in the JSON")
         if name == "decode":
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
