@@ -41,7 +41,7 @@ def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
         assert d["rows"][0]["async_scheduling"] and d["rows"][1]["generated"] == 2 * (3 + 3)  # warm-up + timed steps each
         assert {"schedule", "build", "dispatch", "wait"} <= set(d["rows"][0]["host_phase_ms_per_step"])
         assert d["rows"][0]["profile_engine_steps"]["events"] > 0  # real engine steps traced too
-        assert d["rows"][0]["device_ms_per_step_fresh_input"] > 0
+        assert d["rows"][0]["device_ms_per_step_fixed_input"] > 0
     assert len(d["rows"]) == 2 and d["weight_bytes"] > 0
     for r in d["rows"]:
         assert r["tokens_per_s"] > 0 and r.get("roofline_ms", r.get("flop_floor_ms")) > 0

@@ -252,9 +252,10 @@ def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_p
     for flat in (None, False):  # None: the default, which reshapes when Q == 1
         monkeypatch.setattr(runner_module, "forward_paged", functools.partial(forward_paged, rows_are_flat=flat))
         step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
-                                         input_impl="xla", unguarded=False), static_argnums=(3, 4))
+                                         input_impl="xla", unguarded=False), static_argnums=(4, 5))
         state = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
-        new_state, packed = step(eng.runner.params, state, jnp.asarray(buf), layout, False)
+        new_state, packed, _ = step(eng.runner.params, state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf),
+                                    layout, False)
         results.append((np.asarray(packed), jax.tree_util.tree_leaves(new_state)))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
@@ -265,24 +266,29 @@ def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_p
 
 
 def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference():
-    """Each step's input is written into one resident device buffer per size (XLA's CUDA graphs keep
-    their input addresses); its address must not change from step to step, and tokens stay exact."""
+    """Each step copies its input into one resident device buffer per size, which the step donates and
+    returns (XLA's CUDA graphs keep their buffer addresses); its address must not change from step to step,
+    and tokens stay exact."""
     eng = engine()
     seen = []
-    upload = eng.runner._upload
+    dispatch = eng.runner.dispatch
 
-    def recording_upload(host, **kw):
-        buf = upload(host, **kw)
-        seen.append((host.size, buf.unsafe_buffer_pointer()))  # read now: the next step donates buf
-        return buf
+    def recording_dispatch(arrays):
+        pending = dispatch(arrays)
+        # read now: the next step of this size donates the buffer
+        seen.append({size: buf.unsafe_buffer_pointer() for size, buf in eng.runner._resident_inputs.items()})
+        return pending
 
-    eng.runner._upload = recording_upload
+    eng.runner.dispatch = recording_dispatch
     p = prompt(700, 9)
     rid = eng.add_request(p, GREEDY)
     while eng.has_unfinished:
         eng.step()
     assert eng.requests[rid].output_token_ids == reference(p, GREEDY.max_tokens)
-    decode = seen[1:]  # the prompt step has its own buffer size
-    assert len(decode) >= 3 and len({size for size, _ in decode}) == 1
-    # the first upload may be a zero-copy host view that cannot be donated; from the second on, one address
-    assert len({address for _, address in decode[1:]}) == 1
+    decode = seen[1:]  # the prompt step has its own input size
+    sizes = set(decode[-1]) - set(seen[0])
+    assert len(decode) >= 3 and len(sizes) == 1
+    size = sizes.pop()
+    # a size's first step donates a fresh zeroed buffer (on CPU possibly a zero-copy host view that cannot
+    # be donated, so its output lands elsewhere); from the second step on, one address
+    assert len({addresses[size] for addresses in decode[1:]}) == 1

@@ -301,3 +301,32 @@ def test_one_row_kind_drives_every_consumer(bug):
     run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=5)] * len(prompts))
     assert (RowKind.PROMPT_TAIL, True) in seen and (RowKind.SPEC_VERIFY, False) in seen
 
+
+
+def test_a_repeated_workload_compiles_nothing():
+    """Serving a workload a second time runs only programs the first run compiled: any lowering inside it
+    would be a compile in the middle of serving (a step input of a size the first run saw only once used
+    to compile its device write there, 3x slower MTP K >= 2 on the H200)."""
+    import jax.monitoring
+
+    eng = LLMEngine(PARAMS, CFG, ecfg(num_speculative_tokens=2))
+    prompts = [prompt(700 + i, 3 + 5 * i) for i in range(5)]
+
+    def serve_all():
+        rids = run_staggered(eng, prompts, 2, SamplingParams(temperature=0, max_tokens=7))
+        assert all(eng.output(r).error is None for r in rids)
+
+    serve_all()
+    lowerings = []
+
+    def record(name, secs, **kw):
+        if name.startswith("/jax/core/compile/"):
+            lowerings.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        serve_all()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert eng.spec_metrics()["acceptance_rate"] < 1  # rejections happened: the verify path varied
+    assert lowerings == []

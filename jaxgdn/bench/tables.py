@@ -91,5 +91,7 @@ def print_tables(files) -> int:
     for path in paths:
         d = json.loads(path.read_text())
         print(f"**{d['benchmark']}** — {_source(d, path.resolve())}\n")
+        if d.get("note"):
+            print(f"Note (from the JSON): {d['note']}\n")
         print("\n".join(TABLES[d["benchmark"]](d)) + "\n")
     return 0
