@@ -9,7 +9,6 @@ itself (a recurrence is not idempotent, so the handoff point must be h(N-1), nev
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from typing import Any
 
@@ -50,34 +49,41 @@ class Handoff:
     def nbytes(self) -> int:
         return sum(int(np.prod(getattr(self, n).shape)) * getattr(self, n).dtype.itemsize for n in self.ARRAYS)
 
+    _MAGIC = b"JAXGDN-HANDOFF-1"  # format tag: 16 bytes, then a little-endian uint64 header length
+
     def to_bytes(self) -> bytes:
-        """Serialise (numpy .npz with a JSON header) to cross a process boundary."""
+        """Serialise to cross a process boundary: tag, header length, JSON header (request fields and each
+        array's dtype, shape and offset), then the arrays' raw bytes. One device-to-host fetch for all
+        arrays and one copy into the result (an .npz took 20-140 ms for 21-70 MB on the H200's host)."""
+        host = jax.device_get([getattr(self, name) for name in self.ARRAYS])
+        layout, offset = [], 0
+        for name, arr in zip(self.ARRAYS, host):
+            layout.append([name, arr.dtype.name, list(arr.shape), offset])
+            offset += arr.nbytes
         meta = {"prompt_token_ids": self.prompt_token_ids, "num_computed": self.num_computed,
-                "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id}
-        buf = io.BytesIO()
-        arrays = {}
-        for name in self.ARRAYS:
-            arr = np.asarray(getattr(self, name))
-            # npz has no bfloat16: ship raw bits with the dtype name alongside.
-            meta[f"{name}_dtype"] = str(arr.dtype)
-            arrays[name] = arr.view(np.uint16) if arr.dtype.name == "bfloat16" else arr
-        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-        return buf.getvalue()
+                "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id,
+                "arrays": layout}
+        header = json.dumps(meta).encode()
+        raw = [memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) for arr in host]
+        return b"".join([self._MAGIC, len(header).to_bytes(8, "little"), header, *raw])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Handoff":
-        z = np.load(io.BytesIO(data))
-        meta = json.loads(z["meta"].tobytes().decode())
+        """Inverse of to_bytes; the arrays are read-only views into data (no copy)."""
+        tag = len(cls._MAGIC)
+        if bytes(data[:tag]) != cls._MAGIC:
+            raise ValueError("not a jaxgdn handoff (Handoff.to_bytes output expected)")
+        size = int.from_bytes(data[tag : tag + 8], "little")
+        meta = json.loads(bytes(data[tag + 8 : tag + 8 + size]))
+        base = tag + 8 + size
         arrays = {}
-        for name in cls.ARRAYS:
-            arr = z[name]
-            if meta[f"{name}_dtype"] == "bfloat16":
-                arr = arr.view(jnp.bfloat16)
-            arrays[name] = arr
-        sp = meta["sampling_params"]
+        for name, dtype, shape, start in meta.pop("arrays"):
+            dt = jnp.dtype(dtype)  # knows bfloat16, which numpy alone does not
+            count = int(np.prod(shape, dtype=np.int64))
+            arrays[name] = np.frombuffer(data, dt, count, base + start).reshape(shape)
+        sp = meta.pop("sampling_params")
         sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
-        return cls(prompt_token_ids=meta["prompt_token_ids"], num_computed=meta["num_computed"],
-                   sampling_params=SamplingParams(**sp), request_id=meta["request_id"], **arrays)
+        return cls(sampling_params=SamplingParams(**sp), **meta, **arrays)
 
 
 def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prompt: list[int]) -> Handoff:

@@ -103,6 +103,28 @@ def committed_states(eng, slot):
             for i in CFG.gdn_layer_ids]
 
 
+def test_handoff_bytes_round_trip_every_field_and_reject_other_data():
+    """to_bytes/from_bytes keep each array's dtype (bf16 KV, fp32 state), shape and bits, and the request
+    fields; data that is not a handoff, or a cut one, is refused with a ValueError."""
+    rng = np.random.default_rng(3)
+    arrays = {name: jnp.asarray(rng.normal(size=shape), dtype) for name, shape, dtype in (
+        ("kv_k", (2, 3, 4, 1, 8), jnp.bfloat16), ("kv_v", (2, 3, 4, 1, 8), jnp.bfloat16),
+        ("mtp_k", (1, 3, 4, 1, 8), jnp.bfloat16), ("mtp_v", (0, 3, 4, 1, 8), jnp.bfloat16),
+        ("conv", (3, 3, 20), jnp.float32), ("ssm", (3, 2, 4, 5), jnp.float32))}
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=11, seed=4, stop_token_ids=(9, 2))
+    h = Handoff(prompt_token_ids=[5, 6, 7], num_computed=2, sampling_params=sp, request_id=12, **arrays)
+    data = h.to_bytes()
+    back = Handoff.from_bytes(data)
+    assert (back.prompt_token_ids, back.num_computed, back.sampling_params, back.request_id) == ([5, 6, 7], 2, sp, 12)
+    for name, arr in arrays.items():
+        got = getattr(back, name)
+        assert got.dtype == arr.dtype and got.shape == arr.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(arr).view(np.uint8))
+    for bad in (b"not a handoff at all", data[: len(data) - 4]):
+        with pytest.raises(ValueError):
+            Handoff.from_bytes(bad)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_pd_state_equivalence_after_first_decode_step(padded):
     """After D's first step the committed conv and recurrent states equal a monolithic prefill."""
