@@ -211,6 +211,8 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
 class ModelRunner:
     """Holds params and the device state; runs steps; counts compiled bucket shapes."""
 
+    MAX_RESIDENT_INPUTS = 64
+
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
                  attention_impl: str = "xla"):
@@ -221,7 +223,8 @@ class ModelRunner:
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_device_args = None  # (host input buffer, layout, stochastic) of the last step
         # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
-        # so it keeps one device address: see _packed_step.
+        # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
+        # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl)
@@ -258,6 +261,8 @@ class ModelRunner:
     def _resident_input(self, size: int):
         """This size's resident input buffer, taken out of the map (the step donates it and returns it)."""
         resident = self._resident_inputs.pop(size, None)
+        while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
+            del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
         return jax.device_put(np.zeros(size + 1, np.int32), self.device) if resident is None else resident
 
     @property

@@ -292,3 +292,39 @@ def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference(
     # a size's first step donates a fresh zeroed buffer (on CPU possibly a zero-copy host view that cannot
     # be donated, so its output lands elsewhere); from the second step on, one address
     assert len({addresses[size] for addresses in decode[1:]}) == 1
+
+
+def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
+    """In the compiled step the fresh input buffer has one reader, the copy into the resident buffer; every
+    other kernel reads the resident copy (without the spare element XLA would read the input directly)."""
+    import jax.numpy as jnp
+
+    eng = engine()
+    eng.add_request(prompt(701, 5), GREEDY)
+    eng.step()
+    host_buf, layout, stochastic = eng.runner.last_device_args
+    hlo = eng.runner._step.lower(eng.runner.params, eng.runner.state, jnp.zeros(host_buf.size + 1, jnp.int32),
+                                 jnp.asarray(host_buf), layout, stochastic).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    (name,) = {line.split("=")[0].strip() for line in entry if "parameter(" in line and "host_input" in line}
+    readers = [line for line in entry if name in line.split("=", 1)[-1]]
+    assert len(readers) == 1 and "dynamic-update-slice(" in readers[0]
+
+
+def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
+    """Exact shapes (enforce_eager) make a new input size almost every step: the runner keeps only the most
+    recently used MAX_RESIDENT_INPUTS resident buffers; an evicted size simply gets a new one."""
+    eng = engine()
+    eng.runner.MAX_RESIDENT_INPUTS = 1
+    p, q = prompt(702, 7), prompt(703, 12)
+    rids = [eng.add_request(p, GREEDY)]
+    eng.step()  # p's prompt, then decodes of p alone and of p with q's prompt: three input sizes
+    rids.append(eng.add_request(q, GREEDY))
+    sizes = []
+    while eng.has_unfinished:
+        eng.step()
+        sizes.append(eng.runner.last_device_args[0].size)
+        assert len(eng.runner._resident_inputs) == 1
+    assert len(set(sizes)) >= 2
+    assert [eng.requests[r].output_token_ids for r in rids] == [reference(p, GREEDY.max_tokens),
+                                                                reference(q, GREEDY.max_tokens)]
