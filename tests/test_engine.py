@@ -312,8 +312,9 @@ def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
 
 
 def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
-    """Exact shapes (enforce_eager) make a new input size almost every step: the runner keeps only the most
-    recently used MAX_RESIDENT_INPUTS resident buffers; an evicted size simply gets a new one."""
+    """The runner keeps only the most recently used MAX_RESIDENT_INPUTS resident buffers (exact shapes,
+    enforce_eager, make a new input size almost every step); an evicted size simply gets a new one. Here
+    the limit is 1, so every change of input size evicts."""
     eng = engine()
     eng.runner.MAX_RESIDENT_INPUTS = 1
     p, q = prompt(702, 7), prompt(703, 12)

@@ -324,7 +324,6 @@ def test_one_row_kind_drives_every_consumer(bug):
     assert (RowKind.PROMPT_TAIL, True) in seen and (RowKind.SPEC_VERIFY, False) in seen
 
 
-
 def test_a_repeated_workload_compiles_nothing():
     """Serving a workload a second time runs only programs the first run compiled: any lowering inside it
     would be a compile in the middle of serving (a step input of a size the first run saw only once used
