@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-sync|prefill|prefill-pallas|spec|pd|startup ...]
-#   (default: all but decode-sync and prefill-pallas, in this order; those two time the synchronous engine
-#   beside the default async scheduling, and the opt-in paged flash-attention kernel)
+#   bash bench/h200.sh [tests|kernels|decode|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|startup ...]
+#   (default: all but the three extras, in this order: decode-sync times the synchronous engine beside the
+#   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
+#   shipped model's spec rows; `python -m jaxgdn.bench table FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
 # allows 600 s: pass two or three steps per call (e.g. "tests kernels", "decode", "prefill spec", "pd startup").
@@ -29,6 +30,9 @@ for step in $steps; do
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # the shipped model's rows only (no 0.8B modeled rows): about half the time of "spec"
+    spec-shipped) timeout 200 python3 -m jaxgdn.bench spec --model "" --out "$dest/spec-shipped_gpu_$stamp.json" \
+               2>&1 | grep -v Warning ;;
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \
                --out "$dest/startup_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
