@@ -244,13 +244,12 @@ class ModelRunner:
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
         host_buf, layout, stochastic = self.last_device_args
-        fixed = jax.device_put(host_buf, self.device)
+        fixed = None if fresh_input else jax.device_put(host_buf, self.device)
 
         def run(n):
             for _ in range(n):
                 step_input = jax.device_put(host_buf, self.device) if fresh_input else fixed
-                self.state, flat, self._resident_inputs[host_buf.size] = self._step(
-                    self.params, self.state, self._resident_input(host_buf.size), step_input, layout, stochastic)
+                flat = self._launch(step_input, layout, stochastic)
             jax.block_until_ready(flat)
 
         run(2)
@@ -258,12 +257,18 @@ class ModelRunner:
         run(iters)
         return (time.perf_counter() - t0) / iters * 1e3
 
-    def _resident_input(self, size: int):
-        """This size's resident input buffer, taken out of the map (the step donates it and returns it)."""
+    def _launch(self, step_input, layout: tuple, stochastic: bool):
+        """Launch the jitted step on a device input (int32[n]) with this size's resident buffer, which
+        the step donates and returns; self.state advances. Returns the step's flat result buffer."""
+        size = step_input.shape[0]
         resident = self._resident_inputs.pop(size, None)
         while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
-        return jax.device_put(np.zeros(size + 1, np.int32), self.device) if resident is None else resident
+        if resident is None:
+            resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
+        self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
+                                                                   layout, stochastic)
+        return flat
 
     @property
     def num_compiled_shapes(self) -> int:
@@ -278,8 +283,7 @@ class ModelRunner:
         step_input = jax.device_put(host_buf, self.device)
         self.last_device_args = host_buf, layout, stochastic  # benchmarks replay them to time the device step
         t1 = time.perf_counter()
-        self.state, flat, self._resident_inputs[host_buf.size] = self._step(
-            self.params, self.state, self._resident_input(host_buf.size), step_input, layout, stochastic)
+        flat = self._launch(step_input, layout, stochastic)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
         # instead of starting the copy and waiting for it (not yet timed on the GPU).
         flat.copy_to_host_async()
