@@ -18,7 +18,7 @@ steps=${*:-tests kernels decode prefill spec pd startup}
 for step in $steps; do
   case $step in
     # the two-device test runs apart (skipped on one GPU) with a stack dump if it stalls
-    tests)   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not two_devices" > "$dest/gpu-tests_$stamp.txt" 2>&1
+    tests)   timeout 420 python3 -m pytest -q -m gpu tests/test_gpu.py -k "not two_devices" > "$dest/gpu-tests_$stamp.txt" 2>&1
              timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k two_devices -o faulthandler_timeout=150 \
                >> "$dest/gpu-tests_$stamp.txt" 2>&1
              grep -E "passed|failed|error" "$dest/gpu-tests_$stamp.txt" ;;
