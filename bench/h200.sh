@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|startup ...]
-#   (default: all but the three extras, in this order: decode-sync times the synchronous engine beside the
-#   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
+#   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|startup ...]
+#   (default: all but the four extras, in this order: decode-1step times one decode step per launch, decode-sync
+#   the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
 #   shipped model's spec rows; `python -m jaxgdn.bench table FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -24,6 +24,9 @@ for step in $steps; do
              grep -E "passed|failed|error" "$dest/gpu-tests_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # one decode step per launch (the default runs 4 on a GPU), beside the default in the same session
+    decode-1step) timeout 200 python3 -m jaxgdn.bench decode --decode-steps-per-launch 1 --no-peer --batch 1 8 32 64 \
+               --out "$dest/decode-1step_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode-sync) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling off --no-peer --profile /tmp/jaxgdn-profile-sync \
                --out "$dest/decode-sync_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \

@@ -72,6 +72,10 @@ class LLMEngine:
         # Async scheduling: the dispatched step whose results are not applied yet.
         self.async_scheduling = ecfg.uses_async_scheduling
         self._in_flight: _InFlight | None = None
+        # Decode steps per launch when every row is a plain decode (async scheduling only).
+        platform = device.platform if device is not None else jax.default_backend()
+        self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
+        self.num_launches = 0
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -138,7 +142,9 @@ class LLMEngine:
 
     def step(self) -> SchedulerOutput:
         """Schedule and run one step; returns what was scheduled. With async scheduling the results
-        applied during this call are those of the previous step (this step's are still on the device)."""
+        applied during this call are those of the previous step (this step's are still on the device), and
+        the launch may run decode_steps_per_launch decode steps. num_steps counts model steps,
+        num_launches device launches."""
         if self.async_scheduling:
             return self._step_async()
         out = self._schedule()
@@ -146,6 +152,7 @@ class LLMEngine:
             return out
         res = self.runner.run(self._prepare(out))
         self.num_steps += 1
+        self.num_launches += 1
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(out.rows):
@@ -212,22 +219,26 @@ class LLMEngine:
         whose step n token ends it (stop token) was already scheduled in step n+1: that row's work is
         discarded. A request whose placeholder is its last allowed token is not scheduled again. When the
         coming schedule could preempt (not enough free pages for every running request's next window),
-        the step in flight is applied first: a preempted request is recomputed from its real tokens."""
+        the step in flight is applied first: a preempted request is recomputed from its real tokens.
+        A launch of several decode steps (Scheduler.decode_steps) advances each row by its decode_steps and
+        appends as many placeholders."""
         if self._in_flight is not None and self.scheduler.may_preempt():
             self._apply_in_flight()
         out = self._schedule()
         flight = None
         if out.rows:
-            pending = self.runner.dispatch(self._prepare(out))
-            self.num_steps += 1
+            num_steps = self.scheduler.decode_steps(out, self.decode_steps_per_launch)
+            pending = self.runner.dispatch(self._prepare(out), num_steps)
+            self.num_steps += num_steps
+            self.num_launches += 1
             starts, out_index = [], []
             for row in out.rows:
                 req = row.request
                 starts.append(req.num_computed)
-                req.num_computed += row.num_tokens
+                req.num_computed += row.num_tokens + row.decode_steps - 1  # several steps: 1-token rows
                 out_index.append(len(req.output_token_ids) if row.samples else -1)
                 if row.samples:
-                    req.output_token_ids.append(PLACEHOLDER_TOKEN)
+                    req.output_token_ids += [PLACEHOLDER_TOKEN] * row.decode_steps
                     req.awaiting_final_token = self._length_reached(req, len(req.output_token_ids))
             flight = _InFlight(out, pending, starts, out_index)
         previous, self._in_flight = self._in_flight, flight
@@ -241,22 +252,26 @@ class LLMEngine:
             self._apply(previous)
 
     def _apply(self, flight: "_InFlight") -> None:
-        """Fill the placeholders of a dispatched step with its sampled tokens and finish requests."""
-        res = self.runner.fetch(flight.pending)
+        """Fill the placeholders of a dispatched launch with its sampled tokens (step by step) and finish
+        requests."""
+        results = self.runner.fetch(flight.pending)
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(flight.out.rows):
             req = row.request
-            self._record_inputs(req, flight.starts[b], res.input_ids[t : t + row.num_tokens])
+            for j, res in enumerate(results[: row.decode_steps]):
+                self._record_inputs(req, flight.starts[b] + j, res.input_ids[t : t + row.num_tokens])
             t += row.num_tokens
             i = flight.out_index[b]
             if i < 0 or req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
                 continue
-            token = int(res.tokens[b, 0])
-            req.output_token_ids[i] = token
-            self._finish_if_done(req, token, now, num_outputs=i + 1)
-            if req.status is RequestStatus.FINISHED:
-                del req.output_token_ids[i + 1 :]  # placeholders of steps launched after this token
+            for j, res in enumerate(results[: row.decode_steps]):
+                token = int(res.tokens[b, 0])
+                req.output_token_ids[i + j] = token
+                self._finish_if_done(req, token, now, num_outputs=i + j + 1)
+                if req.status is RequestStatus.FINISHED:
+                    del req.output_token_ids[i + j + 1 :]  # placeholders of steps after this token
+                    break
         self.timings["update"] += time.perf_counter() - now
 
     def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:

@@ -43,6 +43,11 @@ class EngineConfig:
       on wherever it can be (num_speculative_tokens=0 and pd=False); on the H200 it cut a 0.8B decode
       step from 3.26 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
       decode-async_gpu_20261130.json).
+    decode_steps_per_launch: with async scheduling, run this many decode steps in one launch of the device
+      program when every row is a plain decode with room for them and no waiting request could start
+      (vLLM's former multi-step scheduling); same outputs, the host's per-step work is paid once per
+      launch. A request that stops early discards the rest of its launch's tokens; a waiting request
+      that arrives meanwhile starts after the launch. None (default): 4 on a GPU, 1 elsewhere.
     """
 
     max_num_seqs: int = 16
@@ -63,6 +68,7 @@ class EngineConfig:
     decode_device: int | None = None
     compilation_cache: bool = True
     async_scheduling: bool | None = None
+    decode_steps_per_launch: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -78,6 +84,11 @@ class EngineConfig:
             (self.async_scheduling is not True or (self.num_speculative_tokens == 0 and not self.pd),
              "async_scheduling needs num_speculative_tokens=0 and pd=False (how many drafts a step accepts, "
              "and a PD handoff, are only known once its results are back)"),
+            (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
+             "decode_steps_per_launch must be >= 1"),
+            (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling,
+             "decode_steps_per_launch > 1 needs async scheduling (num_speculative_tokens=0, pd=False, "
+             "async_scheduling not off)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -102,6 +113,14 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.num_speculative_tokens == 0 and not self.pd
         return self.async_scheduling
+
+    def resolved_decode_steps(self, platform: str) -> int:
+        """decode_steps_per_launch resolved for a device platform ("gpu", "cpu", ...)."""
+        if not self.uses_async_scheduling:
+            return 1
+        if self.decode_steps_per_launch is None:
+            return 4 if platform in ("gpu", "cuda", "rocm") else 1
+        return self.decode_steps_per_launch
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -57,6 +57,10 @@ def parse_args(argv=None):
                    help="launch each step before the previous step's tokens are back (host work overlaps the "
                         "device; same outputs). auto (default): on without MTP drafts and --pd; on: refused "
                         "with them")
+    e.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
+                   help="with async scheduling, run N decode steps per device launch when every request is "
+                        "decoding (same outputs; the host's per-step cost is paid once per launch). "
+                        "Default: 4 on a GPU, 1 elsewhere")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,
@@ -127,6 +131,7 @@ def main(argv=None) -> int:
             enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
             pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
+            decode_steps_per_launch=args.decode_steps_per_launch,
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

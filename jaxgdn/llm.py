@@ -101,8 +101,10 @@ class LLM:
         return self.engine.outputs(rids)
 
     def metrics(self) -> dict:
-        """Speculative decoding counters and PD handoff bytes of everything served so far."""
+        """Speculative decoding counters, PD handoff bytes, model steps and device launches of everything
+        served so far (a launch may run several decode steps: decode_steps_per_launch)."""
         m = self.engine.spec_metrics()
         m["handoff_bytes"] = self.engine.handoff_bytes_in
         m["num_steps"] = self.engine.num_steps
+        m["num_launches"] = self.engine.num_launches
         return m

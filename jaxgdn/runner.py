@@ -20,7 +20,7 @@ import numpy as np
 
 from pallas_kernels.input_assembly import combine_sampled_and_draft_tokens
 
-from .cache import EngineState
+from .cache import NULL_PAGE, EngineState, PagedKV
 from .config import ModelConfig
 from .input_batch import StepArrays
 from .model import logits_from_hidden
@@ -61,7 +61,7 @@ def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
 
 
 def _packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
-                 **static):
+                 num_steps: int = 1, **static):
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
     the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
     single device-to-host copy. Returns (state, flat, resident).
@@ -71,12 +71,55 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     buffers; reading the input from resident keeps every kernel but the first copy at fixed addresses, so
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
-    stochastic (static): some row samples with temperature > 0."""
+    stochastic (static): some row samples with temperature > 0.
+    num_steps (static): > 1 runs that many decode steps in one launch (every row a 1-token decode row,
+    K = 0): step j sees the arrays advanced by j positions (_advance_decode_rows) and its input token is
+    step j-1's sample, placed on device from last_sampled as always. flat then holds num_steps results
+    of the layout above, one after the other."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
-    state, tokens, num_sampled, drafts, ids = _device_step(params, state, unpack_step_arrays(resident, layout),
-                                                           stochastic=stochastic, **static)
-    flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
-    return state, flat, resident
+    a = unpack_step_arrays(resident, layout)
+
+    def one_step(state, arrays):
+        state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic, **static)
+        return state, jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
+
+    if num_steps == 1:
+        state, flat = one_step(state, a)
+        return state, flat, resident
+    page_size = _kv_page_size(state)
+    # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
+    # kernels one by one from the host on each iteration, which on the H200 cost more than the launches it
+    # saves (2.52 ms per step at batch 1 against 1.40 unrolled and 2.07 for one step per launch;
+    # bench/results/decode-r5-*).
+    flats = []
+    for j in range(num_steps):
+        state, flat = one_step(state, _advance_decode_rows(a, j, page_size))
+        flats.append(flat)
+    return state, jnp.concatenate(flats), resident
+
+
+def _kv_page_size(state: EngineState) -> int:
+    """Tokens per KV page, from the pool's shape (1 for a model without attention layers)."""
+    pools = [layer for layer in state.layers if isinstance(layer, PagedKV)]
+    return pools[0].k.shape[1] if pools else 1
+
+
+def _advance_decode_rows(a: dict[str, Any], j, page_size: int) -> dict[str, Any]:
+    """The step arrays of 1-token decode rows moved j positions on: positions, sequence lengths and the KV
+    slots the new positions write (from the rows' block tables, which the scheduler sized for them).
+    A row past its decode_steps writes the null page and samples nothing; padding keeps its values; no
+    row is fresh after the first step."""
+    live = j < a["decode_steps"]  # [R]
+    valid = a["token_index"] >= 0  # [R, Q]
+    row_positions = jnp.where(valid, a["row_positions"] + j, a["row_positions"])
+    pages = jnp.take_along_axis(a["block_tables"], row_positions // page_size, axis=1, mode="clip")
+    pages = jnp.where(live[:, None], pages, NULL_PAGE)
+    kv_slots = jnp.where(valid, pages * page_size + row_positions % page_size, a["kv_slots"])
+    num_real_tokens = a["query_start_loc"][-1]
+    positions = a["positions"] + jnp.where(jnp.arange(a["positions"].shape[0]) < num_real_tokens, j, 0)
+    seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + j, a["seq_lens"])
+    return dict(a, row_positions=row_positions, kv_slots=kv_slots, positions=positions, seq_lens=seq_lens,
+                fresh=a["fresh"] & (j == 0), samples=a["samples"] & live)
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
@@ -205,7 +248,7 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
     built with the same model and settings reuse each other's compiled buckets."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded),
-                   donate_argnums=(1, 2), static_argnums=(4, 5))
+                   donate_argnums=(1, 2), static_argnums=(4, 5, 6))
 
 
 class ModelRunner:
@@ -221,7 +264,7 @@ class ModelRunner:
         self.cfg = cfg
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
-        self.last_device_args = None  # (host input buffer, layout, stochastic) of the last step
+        self.last_device_args = None  # (host input buffer, layout, stochastic, num_steps) of the last launch
         # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
         # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
         # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
@@ -235,29 +278,30 @@ class ModelRunner:
             jnp.asarray(drafts, jnp.int32)))
 
     def time_device_step(self, iters: int = 20, fresh_input: bool = True) -> float:
-        """ms per call of the jitted step replayed back to back on the last step's arguments (the state
-        threads through; no host preparation, no token fetch): the device side of a step. fresh_input: the
+        """ms per model step of the jitted step replayed back to back on the last launch's arguments (the
+        state threads through; no host preparation, no token fetch): the device side of a step (a launch of
+        num_steps decode steps counts num_steps). fresh_input: the
         input is copied to a new device buffer before each call, as real steps do; False: one device copy
         of it serves every call (the whole graph at fixed addresses, what the resident buffer approaches).
         The replays advance the device state past what the scheduler knows, so only call it on an engine
         whose work is done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
-        host_buf, layout, stochastic = self.last_device_args
+        host_buf, layout, stochastic, num_steps = self.last_device_args
         fixed = None if fresh_input else jax.device_put(host_buf, self.device)
 
         def run(n):
             for _ in range(n):
                 step_input = jax.device_put(host_buf, self.device) if fresh_input else fixed
-                flat = self._launch(step_input, layout, stochastic)
+                flat = self._launch(step_input, layout, stochastic, num_steps)
             jax.block_until_ready(flat)
 
         run(2)
         t0 = time.perf_counter()
         run(iters)
-        return (time.perf_counter() - t0) / iters * 1e3
+        return (time.perf_counter() - t0) / (iters * num_steps) * 1e3
 
-    def _launch(self, step_input, layout: tuple, stochastic: bool):
+    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1):
         """Launch the jitted step on a device input (int32[n]) with this size's resident buffer, which
         the step donates and returns; self.state advances. Returns the step's flat result buffer."""
         size = step_input.shape[0]
@@ -267,50 +311,56 @@ class ModelRunner:
         if resident is None:
             resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
         self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
-                                                                   layout, stochastic)
+                                                                   layout, stochastic, num_steps)
         return flat
 
     @property
     def num_compiled_shapes(self) -> int:
         return len(self.shapes_seen)
 
-    def dispatch(self, arrays: StepArrays) -> "PendingStep":
-        """Copy the step's arrays to the device and launch the jitted step without waiting for it."""
+    def dispatch(self, arrays: StepArrays, num_steps: int = 1) -> "PendingStep":
+        """Copy the step's arrays to the device and launch the jitted step without waiting for it.
+        num_steps > 1: that many decode steps in the one launch (see _packed_step)."""
         stochastic = bool(np.any(arrays.temperature > 0))
-        self.shapes_seen.add((*arrays.shape_key, stochastic))
+        self.shapes_seen.add((*arrays.shape_key, stochastic, num_steps))
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = jax.device_put(host_buf, self.device)
-        self.last_device_args = host_buf, layout, stochastic  # benchmarks replay them to time the device step
+        self.last_device_args = host_buf, layout, stochastic, num_steps  # benchmarks replay them
         t1 = time.perf_counter()
-        flat = self._launch(step_input, layout, stochastic)
+        flat = self._launch(step_input, layout, stochastic, num_steps)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
         # instead of starting the copy and waiting for it (not yet timed on the GPU).
         flat.copy_to_host_async()
         self.timings["transfer"] += t1 - t0
         self.timings["dispatch"] += time.perf_counter() - t1
-        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1])
+        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1], num_steps)
 
-    def fetch(self, pending: "PendingStep") -> "StepResult":
-        """Wait for a dispatched step and copy its results to the host (one transfer)."""
+    def fetch(self, pending: "PendingStep") -> list["StepResult"]:
+        """Wait for a dispatched launch and copy its results to the host (one transfer): one StepResult
+        per decode step of the launch."""
         t0 = time.perf_counter()
         flat = np.asarray(pending.flat)
         self.timings["wait"] += time.perf_counter() - t0
         R, K = pending.num_rows, pending.num_drafts
-        tokens, num_sampled, drafts, ids = np.split(flat, np.cumsum([R * (1 + K), R, R * K]))
-        return StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids)
+        results = []
+        for step in np.split(flat, pending.num_steps):
+            tokens, num_sampled, drafts, ids = np.split(step, np.cumsum([R * (1 + K), R, R * K]))
+            results.append(StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids))
+        return results
 
     def run(self, arrays: StepArrays) -> "StepResult":
         """Run one step and bring its results back. self.timings sums the seconds of each phase: transfer
         (host-to-device copy), dispatch (launch of the jitted step), wait (for its results)."""
-        return self.fetch(self.dispatch(arrays))
+        return self.fetch(self.dispatch(arrays))[0]
 
 
 @dataclasses.dataclass
 class PendingStep:
-    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids]
+    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] per decode step
     num_rows: int
     num_drafts: int
+    num_steps: int = 1
 
 
 @dataclasses.dataclass

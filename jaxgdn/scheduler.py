@@ -26,6 +26,8 @@ class ScheduledRow:
     kind: RowKind
     samples: bool  # the window reaches the end of the known tokens: its logits are sampled
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # scheduled_spec_decode_tokens
+    # Decode steps this row takes in a launch of several (Scheduler.decode_steps); 1 otherwise.
+    decode_steps: int = 1
 
     @property
     def padded_tail(self) -> bool:
@@ -145,6 +147,26 @@ class Scheduler:
         req = row.request
         end = min(req.num_computed + row.num_tokens + self.K, self.ecfg.max_model_len)
         return self.pages_needed(req, end)
+
+    def decode_steps(self, out: SchedulerOutput, num_steps: int) -> int:
+        """How many decode steps out's launch runs: num_steps when every row is a 1-token decode row, no
+        waiting request could start now, and the free KV pages cover the extra positions (allocated here);
+        else 1. Each row's decode_steps is then what its request may still produce (max_tokens,
+        max_model_len), at most num_steps: the launch always runs num_steps (one program per bucket), a row
+        with fewer writes its later steps to the null page and samples nothing there."""
+        if num_steps <= 1 or not out.rows or (self.waiting and self.slots.num_free):
+            return 1
+        if any(row.kind != RowKind.DECODE or row.num_tokens != 1 or not row.samples for row in out.rows):
+            return 1
+        steps = [max(1, min(num_steps, row.request.sampling_params.max_tokens - len(row.request.output_token_ids),
+                            self.ecfg.max_model_len - row.request.num_tokens)) for row in out.rows]
+        need = [self.pages_needed(row.request, row.request.num_computed + n) for row, n in zip(out.rows, steps)]
+        if sum(need) > self.pages.num_free:
+            return 1
+        for row, n, pages in zip(out.rows, steps, need):
+            row.request.pages += self.pages.allocate(pages)
+            row.decode_steps = n
+        return num_steps
 
     def schedule(self) -> SchedulerOutput:
         budget = self.ecfg.max_num_batched_tokens

@@ -115,11 +115,22 @@ _naive_fwd: dict = {}
 
 
 def run_staggered(eng, prompts: list[list[int]], per_step: int, params) -> list[int]:
-    """Add `per_step` requests before each engine step, so new requests join running batches."""
-    rids, pending = [], list(prompts)
+    """Add `per_step` requests before each engine step, so new requests join running batches. params: one
+    SamplingParams for all, or one per prompt."""
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    rids, pending = [], list(zip(prompts, params))
     while pending or eng.has_unfinished:
         for _ in range(per_step):
             if pending:
-                rids.append(eng.add_request(pending.pop(0), params))
+                rids.append(eng.add_request(*pending.pop(0)))
         eng.step()
     return rids
+
+
+def run_recorded(eng, prompts: list[list[int]], params: list, per_step: int = 2):
+    """run_staggered with every fed token recorded, to the end (async: the last launch applied too).
+    Returns ([RequestOutput], [fed (position, token) list per request])."""
+    eng.record_inputs = True
+    rids = run_staggered(eng, prompts, per_step, params)
+    eng.run_until_done()
+    return [eng.output(r) for r in rids], [eng.fed_tokens.get(r) for r in rids]

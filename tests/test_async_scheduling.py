@@ -4,7 +4,7 @@ reasons, fed tokens and the pools must be exactly those of the synchronous engin
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, small_config
+from helpers import naive_greedy, run_recorded, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
@@ -23,19 +23,6 @@ def engine(async_scheduling: bool | None, **kw) -> LLMEngine:
     return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}, async_scheduling=async_scheduling), garbage_seed=5)
 
 
-def run(eng: LLMEngine, prompts, params, per_step: int = 2):
-    """Add `per_step` requests before each step (requests join running batches), run to the end."""
-    eng.record_inputs = True
-    rids, pending = [], list(zip(prompts, params))
-    while pending or eng.has_unfinished:
-        for _ in range(per_step):
-            if pending:
-                rids.append(eng.add_request(*pending.pop(0)))
-        eng.step()
-    eng.run_until_done()
-    return [eng.output(r) for r in rids], [eng.fed_tokens.get(r) for r in rids]
-
-
 def test_async_equals_sync_with_stops_lengths_and_sampling():
     prompts = [prompt(i, n) for i, n in enumerate((1, 3, 9, 17, 30, 2, 40, 5))]
     # Stop tokens taken from the greedy continuation, so some requests stop while their next step is
@@ -46,10 +33,10 @@ def test_async_equals_sync_with_stops_lengths_and_sampling():
     params[4] = SamplingParams(temperature=0, max_tokens=9, stop_token_ids=(stops[1],))
     params[6] = SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=6)
     params[7] = SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=7)
-    sync_out, sync_fed = run(engine(False), prompts, params)
+    sync_out, sync_fed = run_recorded(engine(False), prompts, params)
     eng = engine(True)
     free_pages = eng.scheduler.pages.num_free
-    async_out, async_fed = run(eng, prompts, params)
+    async_out, async_fed = run_recorded(eng, prompts, params)
     assert [o.finish_reason for o in sync_out][1] == "stop" and sync_out[4].finish_reason == "stop"
     for s, a in zip(sync_out, async_out):
         assert (a.token_ids, a.finish_reason) == (s.token_ids, s.finish_reason)
@@ -66,7 +53,7 @@ def test_async_preemption_recomputes_from_real_tokens():
     applied (a recompute must never see a placeholder)."""
     prompts = [prompt(100 + i, 20 + 7 * i) for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=20)] * len(prompts)
-    outs, _ = run(engine(True, num_kv_pages=1 + 16, max_num_batched_tokens=64), prompts, params, per_step=5)
+    outs, _ = run_recorded(engine(True, num_kv_pages=1 + 16, max_num_batched_tokens=64), prompts, params, per_step=5)
     assert sum(o.num_preemptions for o in outs) > 0
     for o, p in zip(outs, prompts):
         assert o.token_ids == naive_greedy(PARAMS, CFG, p, 20)
@@ -76,7 +63,7 @@ def test_async_launches_the_next_step_before_fetching_the_last():
     eng = engine(True)
     events = []
     dispatch, fetch = eng.runner.dispatch, eng.runner.fetch
-    eng.runner.dispatch = lambda arrays: events.append("d") or dispatch(arrays)
+    eng.runner.dispatch = lambda *args: events.append("d") or dispatch(*args)
     eng.runner.fetch = lambda pending: events.append("f") or fetch(pending)
     eng.add_request(prompt(7, 4), SamplingParams(temperature=0, max_tokens=4))
     eng.step()

@@ -28,8 +28,8 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
 
 
 @pytest.mark.parametrize("command, extra", [
-    ("decode", ["--batch", "1", "2", "--steps", "3", "--bandwidth-bytes", "1000000", "--profile", "PROFILE",
-                "--async-scheduling", "on"]),
+    ("decode", ["--batch", "1", "2", "--steps", "8", "--bandwidth-bytes", "1000000", "--profile", "PROFILE",
+                "--async-scheduling", "on", "--decode-steps-per-launch", "2"]),
     ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE"]),
 ])
 def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
@@ -38,10 +38,12 @@ def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     prof = d["rows"][0]["profile_per_step"]  # the trace of replayed steps is summarised into the row
     assert prof["busy_us"] > 0 and prof["events"] > 0 and prof["top"]
     if command == "decode":
-        assert d["rows"][0]["async_scheduling"] and d["rows"][1]["generated"] == 2 * (3 + 3)  # warm-up + timed steps each
+        assert d["rows"][0]["async_scheduling"] and d["rows"][1]["generated"] == 2 * (3 + 8)  # warm-up + timed steps each
         assert {"schedule", "build", "dispatch", "wait"} <= set(d["rows"][0]["host_phase_ms_per_step"])
         assert d["rows"][0]["profile_engine_steps"]["events"] > 0  # real engine steps traced too
         assert d["rows"][0]["device_ms_per_step_fixed_input"] > 0
+        # two decode steps per launch: fewer launches than steps, per-step time divides launches
+        assert d["rows"][0]["decode_steps_per_launch"] == 2 and d["rows"][0]["launches"] < d["rows"][0]["steps"]
     assert len(d["rows"]) == 2 and d["weight_bytes"] > 0
     for r in d["rows"]:
         assert r["tokens_per_s"] > 0 and r.get("roofline_ms", r.get("flop_floor_ms")) > 0

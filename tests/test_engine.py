@@ -241,7 +241,7 @@ def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_p
     eng = engine()
     seen = []
     dispatch = eng.runner.dispatch
-    eng.runner.dispatch = lambda arrays: seen.append(arrays) or dispatch(arrays)
+    eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
     for i in range(3):
         eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
     eng.step()  # the prompts
@@ -273,8 +273,8 @@ def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference(
     seen = []
     dispatch = eng.runner.dispatch
 
-    def recording_dispatch(arrays):
-        pending = dispatch(arrays)
+    def recording_dispatch(*args):
+        pending = dispatch(*args)
         # read now: the next step of this size donates the buffer
         seen.append({size: buf.unsafe_buffer_pointer() for size, buf in eng.runner._resident_inputs.items()})
         return pending
@@ -302,9 +302,9 @@ def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
     eng = engine()
     eng.add_request(prompt(701, 5), GREEDY)
     eng.step()
-    host_buf, layout, stochastic = eng.runner.last_device_args
+    host_buf, layout, stochastic, num_steps = eng.runner.last_device_args
     hlo = eng.runner._step.lower(eng.runner.params, eng.runner.state, jnp.zeros(host_buf.size + 1, jnp.int32),
-                                 jnp.asarray(host_buf), layout, stochastic).compile().as_text()
+                                 jnp.asarray(host_buf), layout, stochastic, num_steps).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     (name,) = {line.split("=")[0].strip() for line in entry if "parameter(" in line and "host_input" in line}
     readers = [line for line in entry if name in line.split("=", 1)[-1]]

@@ -89,3 +89,29 @@ def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
     out = jax.jit(paged_attention_pallas)(*args).astype(jnp.float32)
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert float(jnp.abs(out - ref).max()) <= tol * max(1.0, float(jnp.abs(ref).max()))
+
+
+def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
+    """The GPU default runs 4 decode steps per launch (pool kernel, command buffers with a loop): greedy
+    outputs equal plain greedy decoding, sampled ones those of one step per launch."""
+    from jaxgdn.engine import LLMEngine
+
+    cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
+    params = init_random_params(cfg, seed=6)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (1, 7, 9, 30)]
+    sps = [SamplingParams(temperature=0, max_tokens=13), SamplingParams(temperature=0, max_tokens=10),
+           SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=11),
+           SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=9)]
+    outs = {}
+    for steps in (None, 1):  # None: the engine's GPU default
+        ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, kv_page_size=8,
+                            dtype="float32", decode_steps_per_launch=steps)
+        eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        eng.run_until_done()
+        outs[steps] = [eng.output(r).token_ids for r in rids]
+        assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps) == ((4, True) if steps is None else (1, False))
+    assert outs[None] == outs[1]
+    for p, sp, got in zip(prompts[:2], sps[:2], outs[None][:2]):
+        assert got == naive_greedy(params, cfg, p, sp.max_tokens)

@@ -83,7 +83,8 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 
 def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0,
-                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool | None = None):
+                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool | None = None,
+                decode_steps_per_launch: int | None = None):
     """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
     fraction), bf16, K MTP drafts."""
     from ..engine import LLMEngine
@@ -93,16 +94,19 @@ def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int
     pages = batch * -(-max_model_len // ps) + 1
     ecfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
-                        gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling)
+                        gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling,
+                        decode_steps_per_launch=decode_steps_per_launch)
     return LLMEngine(params, cfg, ecfg)
 
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "xla",
-                     async_scheduling: bool | None = None) -> dict:
-    """Median wall time of the engine's decode steps (after the prompt steps and one compile step).
-    profile_dir: also trace the last 5 engine steps (host work included) into profile_dir + "-engine" and
-    5 replayed device steps into profile_dir, and summarise their kernels and host runtime events."""
+                     async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None) -> dict:
+    """Wall time per decode step of the engine: the engine.step() calls after the prompt call and `warm`
+    compile/warm-up calls, summed, over the tokens per row they produced (a launch may run several
+    decode steps: decode_steps_per_launch). profile_dir: also trace the last 5 engine.step() calls (host work
+    included) into profile_dir + "-engine" and 5 replayed device launches into profile_dir, and summarise
+    their kernels and host runtime events."""
     import jax
 
     from ..request import SamplingParams
@@ -110,38 +114,49 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     warm = 3
     eng = make_engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
                       max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
-                      attention_impl=attention_impl, async_scheduling=async_scheduling)
+                      attention_impl=attention_impl, async_scheduling=async_scheduling,
+                      decode_steps_per_launch=decode_steps_per_launch)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
-    times, t_first, before = [], time.perf_counter(), {}
-    traced_steps = 5 if profile_dir else 0  # the last ones: real steps, host preparation included
-    tracing = contextlib.ExitStack()
-    with tracing:
+    def outputs_so_far():  # tokens launched (placeholders in flight count) over all requests
+        return sum(len(r.output_token_ids) for r in eng.requests.values())
+
+    times, t_first, before, outputs_before = [], time.perf_counter(), None, 0
+    traced, tracing_on, per_launch = 0, False, eng.decode_steps_per_launch
+    with contextlib.ExitStack() as tracing:
         while eng.has_unfinished:
-            if len(times) == 1 + warm:  # step 0 runs the prompts; the next ones compile the decode bucket
-                before = dict(eng.timings)
-            if traced_steps and len(times) == warm + steps - traced_steps:
+            # the prompt call and `warm` decode calls (they compile and warm the decode program) are not timed
+            if len(times) == 1 + warm:
+                before, outputs_before, first_timed = dict(eng.timings), outputs_so_far(), len(times)
+            # trace the last ~5 calls: real steps, host preparation included
+            if profile_dir and not tracing_on and eng.num_steps >= warm + steps - 5 * per_launch:
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
+                tracing_on = True
+            traced += tracing_on
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-    decode = times[1 + warm :]
-    phases = {k: (v - before.get(k, 0.0)) / len(decode) * 1e3 for k, v in eng.timings.items()}
-    generated = sum(len(r.output_token_ids) for r in eng.requests.values())
-    out = {"async_scheduling": eng.async_scheduling, "ms_per_step": statistics.median(decode) * 1e3,
+    if before is None or outputs_so_far() == outputs_before:
+        raise ValueError(f"--steps {steps}: no decode step left to time after {warm} warm-up calls")
+    decode = times[first_timed:]
+    decode_steps = (outputs_so_far() - outputs_before) / batch  # model steps that produced a token per row
+    phases = {k: (v - before.get(k, 0.0)) / decode_steps * 1e3 for k, v in eng.timings.items()}
+    generated = outputs_so_far()
+    out = {"async_scheduling": eng.async_scheduling, "decode_steps_per_launch": per_launch,
+           "ms_per_step": sum(decode) / decode_steps * 1e3, "ms_per_call_median": statistics.median(decode) * 1e3,
            "device_ms_per_step": eng.runner.time_device_step(),
            # the same replays on one device copy of the input: the whole graph at fixed addresses
            "device_ms_per_step_fixed_input": eng.runner.time_device_step(fresh_input=False),
            "host_phase_ms_per_step": phases,
-           "steps": len(times), "generated": generated,
+           "steps": eng.num_steps, "launches": eng.num_launches, "generated": generated,
            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
            "spec": eng.spec_metrics() if K else None}
     if profile_dir:
         from .common import profile_summary
 
-        out["profile_engine_steps"] = profile_summary(profile_dir + "-engine", divide_by=traced_steps)
+        out["profile_engine_steps"] = profile_summary(profile_dir + "-engine", divide_by=max(traced, 1))
         out["profile_per_step"] = profile_replayed_steps(eng, profile_dir)
     return out
 
@@ -297,7 +312,8 @@ def bench_decode(args) -> dict:
         profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
                              profile_dir=profile, attention_impl=args.attention_impl,
-                             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling])
+                             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
+                             decode_steps_per_launch=args.decode_steps_per_launch)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
@@ -314,7 +330,10 @@ def bench_decode(args) -> dict:
     return _decode_payload(args, sizes, bw, rows)
 
 
-DECODE_TIMING = "median wall time of an engine step (host prep + jitted step + token fetch), all rows decoding"
+DECODE_TIMING = ("wall time per decode step, all rows decoding: the timed engine.step() calls (host prep + "
+                 "launch + token fetch) summed, over the tokens per row they produced (a launch runs several "
+                 "decode steps with decode_steps_per_launch > 1); results before 2026-11-30 r5 used the median "
+                 "call instead")
 PREFILL_TIMING = "median wall time of one engine step running whole prompts (host prep, step, token fetch)"
 
 
@@ -326,7 +345,7 @@ def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
 
 def _decode_payload(args, sizes, bw, rows) -> dict:
     return _payload("decode", args, sizes, rows, bandwidth_gbs=bw, timing=DECODE_TIMING,
-                    async_scheduling=args.async_scheduling)
+                    async_scheduling=args.async_scheduling, decode_steps_per_launch=args.decode_steps_per_launch)
 
 
 def bench_prefill(args) -> dict:

@@ -36,10 +36,11 @@ def kernels_table(d: dict) -> list[str]:
 
 
 def decode_table(d: dict) -> list[str]:
-    return _table(["batch", "scheduling", "ms/step", "device ms/step", "tokens/s", "roofline ms", "transformers ms/step",
-                   "speed-up"],
+    return _table(["batch", "scheduling", "steps/launch", "ms/step", "device ms/step", "tokens/s", "roofline ms",
+                   "transformers ms/step", "speed-up"],
                   d["rows"],
                   lambda r: [str(r["batch"]), {True: "async", False: "sync"}.get(r.get("async_scheduling"), "sync"),
+                             str(r.get("decode_steps_per_launch", 1)),
                              _fmt(r["ms_per_step"]), _fmt(r.get("device_ms_per_step")),
                              f"{r['tokens_per_s']:.0f}", _fmt(r["roofline_ms"]),
                              _fmt(r.get("transformers_ms_per_step"), ".2f"), _fmt(r.get("speedup_vs_transformers"), ".1f")])

@@ -1,0 +1,96 @@
+"""Several decode steps per launch (decode_steps_per_launch): outputs, finish reasons and fed tokens are
+exactly those of one step per launch, also when a request stops inside a launch or reaches its length
+limit, and the pools drain."""
+
+import numpy as np
+import pytest
+
+from helpers import naive_greedy, run_recorded, small_config
+from jaxgdn.engine import LLMEngine
+from jaxgdn.engine_config import EngineConfig
+from jaxgdn.params import init_random_params
+from jaxgdn.request import SamplingParams
+
+CFG = small_config(eos_token_ids=())
+PARAMS = init_random_params(CFG, seed=41)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(4000 + i).integers(0, CFG.vocab_size, length)]
+
+
+def engine(steps: int, **kw) -> LLMEngine:
+    base = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, kv_page_size=8, dtype="float32")
+    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}, decode_steps_per_launch=steps), garbage_seed=3)
+
+
+def test_multi_step_launches_equal_single_steps_with_stops_lengths_and_sampling():
+    # Prompt lengths around the page size (8): the launches' later steps write KV into the next page.
+    prompts = [prompt(i, n) for i, n in enumerate((1, 7, 9, 15, 30, 2, 40, 6))]
+    # Stop tokens from the greedy continuation: these requests stop inside a launch of 3 steps (outputs 2-4,
+    # 5-7, ... come from one launch each).
+    stops = [naive_greedy(PARAMS, CFG, prompts[i], 6)[j] for i, j in ((1, 2), (4, 5))]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 3 * i) for i in range(8)]
+    params[1] = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stops[0],))
+    params[4] = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stops[1],))
+    params[6] = SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=14)
+    params[7] = SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=17)
+    single_out, single_fed = run_recorded(engine(1), prompts, params)
+    eng = engine(3)
+    free_pages = eng.scheduler.pages.num_free
+    multi_out, multi_fed = run_recorded(eng, prompts, params)
+    assert single_out[1].finish_reason == "stop" and single_out[4].finish_reason == "stop"
+    assert len(single_out[1].token_ids) == 3 and len(single_out[4].token_ids) == 6
+    for s, m in zip(single_out, multi_out):
+        assert (m.token_ids, m.finish_reason) == (s.token_ids, s.finish_reason)
+    # Every token fed one step per launch is fed the same; a stop inside a launch (and the launch after
+    # it, already dispatched) may feed up to 2 * 3 - 1 more that are discarded.
+    for s, m in zip(single_fed, multi_fed):
+        assert set(s) <= set(m) and len(m) - len(s) <= 5
+    assert eng.num_launches < eng.num_steps  # launches of 3 steps did run
+    assert eng.scheduler.pages.num_free == free_pages
+    assert eng.scheduler.slots.num_free == eng.ecfg.max_num_seqs
+
+
+def test_a_stop_inside_a_launch_ends_the_request_there():
+    p = prompt(50, 5)
+    greedy = naive_greedy(PARAMS, CFG, p, 8)
+    eng = engine(4)
+    rid = eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(greedy[2],)))
+    scheduled = []
+    while eng.has_unfinished:
+        scheduled.append(eng.step())
+    eng.run_until_done()
+    out = eng.output(rid)
+    assert (out.token_ids, out.finish_reason) == (greedy[:3], "stop")
+    # The prompt step, then launches of 4 decode steps: the stop (output 3) comes back from the first.
+    assert eng.num_steps == 1 + 4 * (eng.num_launches - 1) and eng.num_launches <= 3
+
+
+def test_rows_near_their_length_limit_take_only_the_steps_they_may():
+    """Near max_tokens or max_model_len a row takes fewer steps of a launch; the launch still runs 4 (one
+    program per bucket: no single-step decode program is compiled for the tail)."""
+    p, q = prompt(60, 117), prompt(61, 3)
+    eng = engine(4)
+    free_pages = eng.scheduler.pages.num_free
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=50)),  # max_model_len 128: 11 outputs
+            eng.add_request(q, SamplingParams(temperature=0, max_tokens=6))]
+    eng.run_until_done()
+    outs = [eng.output(r) for r in rids]
+    assert outs[0].token_ids == naive_greedy(PARAMS, CFG, p, 11) and outs[0].finish_reason == "length"
+    assert outs[1].token_ids == naive_greedy(PARAMS, CFG, q, 6) and outs[1].finish_reason == "length"
+    # Launches: p's first prompt chunk with q's prompt, p's last chunk with q's first decode, then only
+    # launches of 4 steps (q takes 4 = its last, p 4, 4 and the 2 that max_model_len leaves).
+    assert (eng.num_launches, eng.num_steps) == (5, 2 + 4 * 3)
+    assert eng.scheduler.pages.num_free == free_pages and not eng.scheduler.running
+
+
+def test_decode_steps_per_launch_config():
+    assert EngineConfig().resolved_decode_steps("gpu") == 4
+    assert EngineConfig().resolved_decode_steps("cpu") == 1
+    assert EngineConfig(async_scheduling=False).resolved_decode_steps("gpu") == 1
+    assert EngineConfig(decode_steps_per_launch=8).resolved_decode_steps("cpu") == 8
+    with pytest.raises(ValueError, match="decode_steps_per_launch"):
+        EngineConfig(decode_steps_per_launch=0)
+    with pytest.raises(ValueError, match="needs async scheduling"):
+        EngineConfig(decode_steps_per_launch=2, num_speculative_tokens=1)
