@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|startup ...]
-#   (default: all but the four extras, in this order: decode-1step times one decode step per launch, decode-sync
-#   the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
-#   shipped model's spec rows; `python -m jaxgdn.bench table FILE` prints any of them)
+#   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|
+#                       startup ...]
+#   (default: all but the four extras, in this order: decode-1step times one decode step per launch,
+#   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
+#   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
+#   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
 # allows 600 s: pass two or three steps per call (e.g. "tests kernels", "decode", "prefill spec", "pd startup").
