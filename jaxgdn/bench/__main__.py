@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
             m.add_argument("--prompt-len", type=int, default=64)
-            m.add_argument("--steps", type=int, default=32, help="decode steps timed (median)")
+            m.add_argument("--steps", type=int, default=32, help="decode steps per request after the warm-up (the timed calls)")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
             m.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(auto, the engine's default: on without MTP drafts)")
             m.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
                            help="EngineConfig.decode_steps_per_launch (default: the engine's, 4 on a GPU, 1 "
-                                "elsewhere); ms/step divides a launch's time by its steps")
+                                "elsewhere); ms/step divides the timed calls by the tokens per row they produced")
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")

@@ -120,10 +120,11 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
+
     def outputs_so_far():  # tokens launched (placeholders in flight count) over all requests
         return sum(len(r.output_token_ids) for r in eng.requests.values())
 
-    times, t_first, before, outputs_before = [], time.perf_counter(), None, 0
+    times, t_first, before = [], time.perf_counter(), None
     traced, tracing_on, per_launch = 0, False, eng.decode_steps_per_launch
     with contextlib.ExitStack() as tracing:
         while eng.has_unfinished:
