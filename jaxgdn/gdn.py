@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints
 
 from .config import ModelConfig
-from .mlp import linear, project
+from .mlp import linear, project, split_outputs
 from .norms import gated_rms_norm, upcast
 from .state import GDNState, empty_gdn_state
 
@@ -41,24 +41,45 @@ def gdn_gates(p, a, b):
     return g, beta
 
 
-def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
-    """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
-    [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
-    Returns (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv] fp32, z [B,T,Hv,dv], new window, full inputs)."""
+def gdn_projections(p, cfg: ModelConfig, x, num_valid=None):
+    """The GDN layer's input projections and gates. x: [B, T, H] (input-normed); num_valid: optional [B]
+    real tokens per row, padded steps get g = 0 and beta = 0 (they neither decay nor write).
+    Returns (source [B, T, >=C] whose first C channels are the pre-conv q‖k‖v: the fused projection's
+    whole product when p.fused, so a kernel reads them without a sliced copy; mixed [B, T, C] those
+    channels; z [B, T, Hv, dv]; g, beta [B, T, Hv] fp32)."""
     B, T, _ = x.shape
-    Kd, Hk, Hv = cfg.linear_key_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed, z, b, a = project(x, p, (cfg.conv_dim, cfg.linear_value_dim, Hv, Hv))  # in_proj_qkv, _z, _b, _a
-    z = z.reshape(B, T, Hv, dv)
+    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    sizes = (cfg.conv_dim, cfg.linear_value_dim, Hv, Hv)  # in_proj_qkv, _z, _b, _a
+    if p.fused is None:
+        mixed, z, b, a = project(x, p, sizes)
+        source = mixed
+    else:
+        source = linear(x, p.fused)
+        mixed, z, b, a = split_outputs(source, sizes)
     g, beta = gdn_gates(p, a, b)
     if num_valid is not None:
         valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
         g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    return source, mixed, z.reshape(B, T, Hv, dv), g, beta
+
+
+def split_qkv(cfg: ModelConfig, u):
+    """u [B, T, C] conv output -> q, k [B, T, Hk, dk], v [B, T, Hv, dv]."""
+    B, T, _ = u.shape
+    Kd = cfg.linear_key_dim
+    q = u[..., :Kd].reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    k = u[..., Kd : 2 * Kd].reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+    v = u[..., 2 * Kd :].reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    return q, k, v
+
+
+def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
+    """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
+    [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
+    Returns (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv] fp32, z [B,T,Hv,dv], new window, full inputs)."""
+    _, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
     u, conv, full = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
-    q = u[..., :Kd].reshape(B, T, Hk, dk)
-    k = u[..., Kd : 2 * Kd].reshape(B, T, Hk, dk)
-    v = u[..., 2 * Kd :].reshape(B, T, Hv, dv)
-    return q, k, v, g, beta, z, conv, full
+    return (*split_qkv(cfg, u), g, beta, z, conv, full)
 
 
 def gdn_output(p, cfg: ModelConfig, o, z, dtype):

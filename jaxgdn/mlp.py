@@ -19,7 +19,12 @@ def project(x, p, sizes: tuple[int, ...]):
     names = FUSED_PROJECTIONS[type(p)]
     if p.fused is None:
         return tuple(linear(x, getattr(p, n)) for n in names)
-    return tuple(jnp.split(linear(x, p.fused), np.cumsum(sizes)[:-1].tolist(), axis=-1))
+    return split_outputs(linear(x, p.fused), sizes)
+
+
+def split_outputs(y, sizes: tuple[int, ...]):
+    """The fused product y [..., sum(sizes)] split along its last axis into the projections' outputs."""
+    return tuple(jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1))
 
 
 def mlp(p, x):

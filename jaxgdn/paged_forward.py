@@ -14,15 +14,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
-from pallas_kernels.paged_attention import paged_attention_pallas
+from pallas_kernels.paged_attention import paged_attention_pallas, write_kernel_supports, write_kv_pallas
 
 from .attention import gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
-from .gdn import gdn_inputs, gdn_layer, gdn_output
+from .gdn import causal_conv_silu, gdn_layer, gdn_output, gdn_projections
 from .mlp import linear
 from .model import residual_block
 from .mtp import mtp_fc_input
@@ -56,17 +57,24 @@ class RowView:
         return jnp.sum(self.valid, axis=1).astype(jnp.int32)
 
 
+def write_kv(kv: PagedKV, slots, k, v, impl: str):
+    """Write k, v [N, Hkv, D] at flat pool slots [N]. The Pallas kernel (in place) on a GPU or with
+    impl "pallas" where a token's K is one Triton tile; XLA's scatter otherwise. Returns the two pools."""
+    P, ps, Hkv, D = kv.k.shape
+    if (impl == "pallas" or jax.default_backend() == "gpu") and write_kernel_supports(Hkv, D):
+        return write_kv_pallas(kv.k, kv.v, slots, k, v)
+    scatter = lambda pool, x: pool.reshape(P * ps, Hkv, D).at[slots].set(x.astype(pool.dtype)).reshape(pool.shape)  # noqa: E731
+    return scatter(kv.k, k), scatter(kv.v, v)
+
+
 def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla"):
-    """Gated attention for [R, Q] rows: write this step's K/V into the pool, attend over each row's pages.
-    impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash kernel
-    (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow."""
+    """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
+    row's pages. impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash
+    kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow."""
     R, Q, _ = h.shape
     q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
     P, ps, Hkv, D = kv.k.shape
-    flat = lambda pool: pool.reshape(P * ps, Hkv, D)  # noqa: E731
-    slots = view.kv_slots.reshape(-1)
-    k_pool = flat(kv.k).at[slots].set(k.reshape(-1, Hkv, D).astype(kv.k.dtype)).reshape(P, ps, Hkv, D)
-    v_pool = flat(kv.v).at[slots].set(v.reshape(-1, Hkv, D).astype(kv.v.dtype)).reshape(P, ps, Hkv, D)
+    k_pool, v_pool = write_kv(kv, view.kv_slots.reshape(-1), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), impl)
     if impl == "pallas" and paged_kernel_supports(D, ps):
         q_pos = jnp.where(view.valid, view.positions, -1)  # padding cells see no key
         attn = paged_attention_pallas(q.astype(h.dtype), k_pool, v_pool, view.block_tables, q_pos, view.seq_lens)
@@ -130,7 +138,8 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
 
     With gdn_impl "pallas_pool", short rows (decode, spec verification) run the in-place pool kernel: it
     reads checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the
-    pool, with no gathered copy of the states. Otherwise the states are gathered, run, and scattered back."""
+    pool, with no gathered copy of the states, after the conv kernel did the same for the conv windows
+    (`pallas_kernels/conv_pallas.py`). Otherwise the states are gathered, run, and scattered back."""
     kc = cfg.linear_conv_kernel_dim
     K = slots.ssm.shape[1] - 1
     Q = h.shape[1]
@@ -140,10 +149,15 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         out, new, checkpoints = res if K else (*res, None)
         return out, write_gdn_state(slots, view, new, checkpoints)
     offset = num_accepted[view.idx_mapping] - 1
-    q, k, v, g, beta, z, window, full = gdn_inputs(p, cfg, h, _read_conv(slots, view, offset, kc), view.num_valid)
-    o, ssm = gdn_recurrent_pooled(q, k, v, g, beta, slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
-    verify_buffer = full[:, 1 : kc + K] if K else None
-    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=_write_conv(slots, view, window, verify_buffer), ssm=ssm)
+    source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
+    if conv_kernel_supports(cfg.conv_dim):  # the conv's window read, compute and write in one kernel
+        u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,
+                                     view.verify_path, view.num_valid)
+    else:
+        u, window, full = causal_conv_silu(mixed, _read_conv(slots, view, offset, kc), p.conv1d, view.num_valid)
+        conv = _write_conv(slots, view, window, full[:, 1 : kc + K] if K else None)
+    o, ssm = gdn_recurrent_pooled(u, g, beta, slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,

@@ -10,6 +10,7 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
 - `gdn_recurrent_pooled`: the same loop reading and writing the engine's slot pool in place: it starts
   from checkpoint `num_accepted - 1` of the row's slot (zeros for a fresh row) and writes one checkpoint
   per window position (verify rows) or the final state (other rows), with no gathered copy of states.
+  It reads q, k, v from the packed conv output [B, T, q‖k‖v] (`conv_pallas.causal_conv_pooled`'s).
 - `gdn_chunked_pallas`: the chunked (WY) form in three kernels. `_prep_kernel` runs over all chunks in
   parallel: cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward
   substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and
@@ -32,13 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .common import interpret_default, triton_params
+
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
 f32 = jnp.float32
-
-
-def _interpret_default(interpret):
-    return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
 def _l2norm(x):
@@ -78,16 +77,15 @@ def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
 # ----------------------------------------------------------------------------- recurrent (decode / verify)
 
 
-def _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S):
-    """One token of the recurrence on a [dk, BV] state tile: decay, delta-rule write, output row."""
-    q = _l2norm(q_ref[b, t, hk, :].astype(f32)) * scale
-    k = _l2norm(k_ref[b, t, hk, :].astype(f32))
-    v = v_ref[b, t, h, cols].astype(f32)
-    S = S * jnp.exp(g_ref[b, t, h])
+def _delta_step(q, k, v, g, beta, scale, S):
+    """One token of the recurrence on a [dk, BV] state tile: q, k [dk] (raw: L2-normed here), v [BV],
+    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32)."""
+    q = _l2norm(q.astype(f32)) * scale
+    k = _l2norm(k.astype(f32))
+    S = S * jnp.exp(g)
     pred = jnp.sum(S * k[:, None], axis=0)  # Sᵀk: [BV]
-    S = S + k[:, None] * (beta_ref[b, t, h] * (v - pred))[None, :]
-    o_ref[b, t, h, cols] = jnp.sum(S * q[:, None], axis=0).astype(o_ref.dtype)
-    return S
+    S = S + k[:, None] * (beta * (v.astype(f32) - pred))[None, :]
+    return S, jnp.sum(S * q[:, None], axis=0)
 
 
 def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, sT_ref, *ckpt_refs, T, group, BV, scale):
@@ -96,7 +94,9 @@ def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, sT_re
     cols = pl.ds(iv * BV, BV)
 
     def step(t, S):  # S: [dk, BV] fp32
-        S = _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S)
+        S, o = _delta_step(q_ref[b, t, hk, :], k_ref[b, t, hk, :], v_ref[b, t, h, cols], g_ref[b, t, h],
+                           beta_ref[b, t, h], scale, S)
+        o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
         if ckpt_refs:
             ckpt_refs[0][b, t, h, :, cols] = S
         return S
@@ -118,8 +118,8 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
         out_shape.append(jax.ShapeDtypeStruct((B, T, Hv, dkp, dvp), f32))
     kernel = functools.partial(_recurrent_kernel, T=T, group=Hv // Hk, BV=BV, scale=dk**-0.5)
     outs = pl.pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=(B, Hv, dvp // BV), interpret=_interpret_default(interpret),
-        compiler_params=_triton_params(num_warps),
+        kernel, out_shape=tuple(out_shape), grid=(B, Hv, dvp // BV), interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
     )(q, k, v, g.astype(f32), beta.astype(f32), s0)
     o, sT = outs[0][..., :dv], outs[1][:, :, :dk, :dv]
     if keep_states:
@@ -127,20 +127,25 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
     return o, sT
 
 
-def _pooled_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in,
-                   o_ref, pool_ref, *, T, W, group, BV, scale):
+def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref,
+                   *, T, W, group, dk, BV, scale):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
+    key_dim = qkv_ref.shape[2] - o_ref.shape[2] * o_ref.shape[3]
+    q_cols, k_cols = pl.ds(hk * dk, dk), pl.ds(key_dim // 2 + hk * dk, dk)
     cols = pl.ds(iv * BV, BV)
+    v_cols = pl.ds(key_dim + h * o_ref.shape[3] + iv * BV, BV)
     slot = slot_ref[b]
     S = pool_ref[slot, start_ref[b], h, :, cols]
     S = jnp.where(fresh_ref[b] != 0, 0.0, S)  # a fresh row never sees what the slot held before
     verify = verify_ref[b] != 0
 
     def step(t, S):
-        S = _delta_step(q_ref, k_ref, v_ref, g_ref, beta_ref, o_ref, b, t, h, hk, cols, scale, S)
+        S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], g_ref[b, t, h],
+                           beta_ref[b, t, h], scale, S)
+        o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
         # Verify rows keep the state after every window position: checkpoint t.
         plt.store(pool_ref.at[slot, jnp.minimum(t, W - 1), h, :, cols], S, mask=jnp.full(S.shape, verify & (t < W)))
         return S
@@ -154,38 +159,30 @@ def pooled_kernel_supports(dk: int, dv: int) -> bool:
     return all(d >= 16 and d == pl.next_power_of_2(d) for d in (dk, dv))
 
 
-def gdn_recurrent_pooled(q, k, v, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int = 4):
+def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int = 4):
     """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
 
-    q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, W, Hv, dk, dv] fp32 (W = 1+K
-    checkpoints per slot); slots [B] pool slot of each row; start [B] checkpoint to start from
-    (num_accepted - 1); fresh [B] start from zeros; verify [B] write the state after window position t
-    to checkpoint t (t < W), else write the final state to checkpoint 0.
+    qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
+    sliced copies); g, beta [B, T, Hv]; pool [S, W, Hv, dk, dv] fp32 (W = 1+K checkpoints per slot);
+    slots [B] pool slot of each row; start [B] checkpoint to start from (num_accepted - 1); fresh [B]
+    start from zeros; verify [B] write the state after window position t to checkpoint t (t < W), else
+    write the final state to checkpoint 0.
     Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
     the null slot: what they write there is never read).
     """
-    B, T, Hk, dk = q.shape
-    Hv, dv = v.shape[2], v.shape[3]
-    W = pool.shape[1]
-    assert pooled_kernel_supports(dk, dv), (dk, dv)
+    B, T, C = qkv.shape
+    _, W, Hv, dk, dv = pool.shape
+    Hk = (C - Hv * dv) // (2 * dk)
+    assert pooled_kernel_supports(dk, dv) and C == 2 * Hk * dk + Hv * dv, (C, pool.shape)
     BV = _value_block(dv, B * Hv)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
-    kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, BV=BV, scale=dk**-0.5)
+    kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5)
     o, pool = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(B, Hv, dv // BV), input_output_aliases={9: 1}, interpret=_interpret_default(interpret),
-        compiler_params=_triton_params(num_warps),
-    )(q, k, v, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
+        grid=(B, Hv, dv // BV), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(qkv, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
     return o, pool
-
-
-def _triton_params(num_warps: int, num_stages: int = 1):
-    try:
-        from jax.experimental.pallas import triton as plt
-
-        return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    except (ImportError, AttributeError):  # pragma: no cover - older/newer Pallas spellings
-        return None
 
 
 # ----------------------------------------------------------------------------- chunked (prefill)
@@ -299,25 +296,25 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     Tp, N = T + pad, (T + pad) // CHUNK
     # Intermediates are stored in the matmul operand dtype: the later kernels cast them to it anyway.
     dtype = jnp.promote_types(v.dtype, q.dtype)
-    interpret = _interpret_default(interpret)
+    interpret = interpret_default(interpret)
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
     w, u, kd, gam = pl.pallas_call(
         functools.partial(_prep_kernel, group=group, dtype=dtype),
         out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv, dkp), dtype),
                    sds((B, Tp, Hv), f32)),
-        grid=(B, Hv, N), interpret=interpret, compiler_params=_triton_params(num_warps),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(num_warps),
     )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
     h_enter, v_new, sT = pl.pallas_call(
         functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=_triton_params(num_warps, num_stages=2),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(num_warps, num_stages=2),
     )(w, u, kd, gam, s0)
     BVO = min(dvp, 64)
     o = pl.pallas_call(
         functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype),
         out_shape=sds((B, Tp, Hv, dvp), f32),
-        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=_triton_params(num_warps),
+        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(num_warps),
     )(q, k, gam, h_enter, v_new)
     return o[:, :T, :, :dv], sT[:, :, :dk, :dv]

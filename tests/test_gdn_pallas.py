@@ -9,6 +9,12 @@ from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
 from test_gdn_core import random_inputs
 
 
+def pack_qkv(q, k, v):
+    """q, k [B, T, Hk, dk], v [B, T, Hv, dv] -> the conv output layout [B, T, q‖k‖v] the pool kernel reads."""
+    flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
+    return jnp.concatenate([flat(q), flat(k), flat(v)], axis=-1)
+
+
 def max_err(a, b):
     return float(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)).max())
 
@@ -80,8 +86,8 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
 
         pool, slots = jnp.zeros((3, 2, 4, 128, 128)), jnp.array([2])
         flag = jnp.array([True])
-        fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(q, k, v, g, b, pool, slots, slots - 1, flag, flag,  # noqa: E731
-                                                           interpret=False)
+        fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(pack_qkv(q, k, v), g, b, pool, slots, slots - 1,  # noqa: E731
+                                                           flag, flag, interpret=False)
     text = jax.jit(fn).trace(bf(q), bf(k), bf(v), g, beta, s0).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 
@@ -97,7 +103,7 @@ def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place():
     pool = jnp.asarray(np.random.default_rng(1).standard_normal((6, W, 4, 16, 32)), jnp.float32)
     slots, start = jnp.array([2, 5, 1, 3]), jnp.array([1, 2, 0, 2])
     fresh, verify = jnp.array([False, False, True, False]), jnp.array([True, False, True, False])
-    o, new = gdn_recurrent_pooled(q, k, v, g, beta, pool, slots, start, fresh, verify)
+    o, new = gdn_recurrent_pooled(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
     expect = np.asarray(pool).copy()
     for b in range(4):
         s0 = jnp.zeros_like(pool[0, 0]) if fresh[b] else pool[slots[b], start[b]]

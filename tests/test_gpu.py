@@ -115,3 +115,33 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     assert outs[None] == outs[1]
     for p, sp, got in zip(prompts[:2], sps[:2], outs[None][:2]):
         assert got == naive_greedy(params, cfg, p, sp.max_tokens)
+
+
+@pytest.mark.parametrize("T, K", [(1, 0), (4, 3)])
+def test_conv_kernel_compiled_equals_the_xla_path(T, K):
+    """The Triton-lowered conv kernel at the 0.8B width (C = 6144, bf16) against the engine's XLA path."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.conv_pallas import causal_conv_pooled
+    from test_conv_pallas import conv_case, xla_conv_path
+
+    args = conv_case(seed=T, T=T, K=K, C=6144, dtype=jnp.bfloat16)
+    u_ref, pool_ref = jax.jit(xla_conv_path)(*args)
+    u, pool = jax.jit(lambda x, w, pool, *rows: causal_conv_pooled(x, w.shape[0], w, pool, *rows))(*args)
+    real = np.asarray(args[-1]) > 0
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(u)[real], f32(u_ref)[real], rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(f32(pool)[1:], f32(pool_ref)[1:])
+
+
+def test_kv_write_kernel_compiled_equals_scatter():
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import write_kv_pallas
+    from test_paged_attention import kv_write_case
+
+    k_pool, v_pool, slots, k, v = kv_write_case(P=300, ps=16, D=256, N=128, dtype=jnp.bfloat16)
+    expect = [pool.reshape(-1, 2, 256).at[slots].set(x).reshape(pool.shape) for pool, x in ((k_pool, k), (v_pool, v))]
+    new = jax.jit(lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v))(k_pool, v_pool, k, v)
+    for got, want in zip(new, expect):
+        np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], np.asarray(want, np.float32)[1:])

@@ -88,3 +88,34 @@ def test_engine_with_paged_kernel_equals_plain_greedy():
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):
         assert D.output(r).token_ids == naive_greedy(params, cfg, p, 5)
+
+
+def kv_write_case(seed=0, P=9, ps=4, Hkv=2, D=16, N=7, dtype=jnp.float32):
+    """Random pools; N tokens at distinct slots off the null page, two more padding tokens on null slot 0."""
+    r = np.random.default_rng(seed)
+    pools = [jnp.asarray(r.standard_normal((P, ps, Hkv, D)), dtype) for _ in range(2)]
+    slots = np.concatenate([r.choice(np.arange(ps, P * ps), N, replace=False), [0, 0]]).astype(np.int32)
+    k, v = (jnp.asarray(r.standard_normal((N + 2, Hkv, D)), dtype) for _ in range(2))
+    return (*pools, jnp.asarray(slots), k, v)
+
+
+def test_kv_write_kernel_equals_scatter():
+    """Bit for bit off the null page; nothing else of the pools changes."""
+    from pallas_kernels.paged_attention import write_kv_pallas
+
+    k_pool, v_pool, slots, k, v = kv_write_case()
+    new_k, new_v = write_kv_pallas(k_pool, v_pool, slots, k, v)
+    for pool, new, x in ((k_pool, new_k, k), (v_pool, new_v, v)):
+        expect = pool.reshape(-1, *pool.shape[2:]).at[slots].set(x).reshape(pool.shape)
+        np.testing.assert_array_equal(np.asarray(new)[1:], np.asarray(expect)[1:])
+        assert not np.array_equal(np.asarray(new)[1:], np.asarray(pool)[1:])
+
+
+def test_kv_write_kernel_lowers_to_triton_without_a_gpu():
+    from pallas_kernels.paged_attention import write_kernel_supports, write_kv_pallas
+
+    assert write_kernel_supports(2, 256) and not write_kernel_supports(3, 32)
+    k_pool, v_pool, slots, k, v = kv_write_case(D=256, dtype=jnp.bfloat16)
+    fn = lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v, interpret=False)  # noqa: E731
+    text = jax.jit(fn).trace(k_pool, v_pool, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()

@@ -1,0 +1,99 @@
+"""Pallas kernel of the GDN layer's causal conv + SiLU over the engine's conv-window pool, in place.
+
+The XLA path of an engine step gathers each row's window from the pool, concatenates it with the new
+inputs, convolves, and scatters the new window back: four or five kernels per GDN layer, and a scatter
+that XLA runs slowly at large batches. This kernel does all of it in one pass, one program per (row,
+channel block), each program owning its channels, so reading the old window and writing the new one in
+place never races.
+
+    x      [B, T, >=C]     pre-conv inputs q‖k‖v in channels [0, C) (the fused projection's whole output
+                           may be passed: its other channels are never read, and no sliced copy is made)
+    weight [C, 1, Kc]      depthwise taps, tap Kc-1 on the current token
+    pool   [S, Kc-1+K, C]  conv-window pool; a row's window is at checkpoint offset `start`
+    slots, start, fresh, verify, num_valid [B]
+    -> (silu(conv) [B, T, C] in x.dtype, updated pool)
+
+Semantics (those of `jaxgdn.paged_forward`'s XLA path, which the tests compare against): with
+full = [window ‖ x[:T]] (window zeros for a fresh row), output t is silu(Σ_j full[t+j] · w[:, j]) in fp32;
+a verify row writes full[1 : Kc+K] (the window after each window position) to offsets 0..Kc-2+K; any
+other row writes its last Kc-1 real inputs full[n : n+Kc-1] (n = num_valid) to offsets 0..Kc-2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .common import interpret_default, triton_params
+
+f32 = jnp.float32
+MAX_CHANNEL_BLOCK = 256
+
+
+def conv_kernel_supports(channels: int) -> bool:
+    """Channels must split into power-of-two blocks of at least 16 (Triton tiles)."""
+    return channels % 16 == 0
+
+
+def _channel_block(channels: int) -> int:
+    bc = MAX_CHANNEL_BLOCK
+    while channels % bc:
+        bc //= 2
+    return bc
+
+
+def _conv_kernel(x_ref, w_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _pool_in, o_ref, pool_ref,
+                 *, T, Kc, BC):
+    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    b, ic = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(ic * BC, BC)
+    slot, start = slot_ref[b], start_ref[b]
+    fresh = fresh_ref[b] != 0
+    window = [jnp.where(fresh, 0, pool_ref[slot, start + i, cols]).astype(x_ref.dtype) for i in range(Kc - 1)]
+    full = window + [x_ref[b, jnp.int32(t), cols] for t in range(T)]  # Kc-1+T rows of [BC]; T is small and static
+    w = [w_ref[cols, jnp.int32(0), jnp.int32(j)].astype(f32) for j in range(Kc)]
+    for t in range(T):
+        acc = sum(full[t + j].astype(f32) * w[j] for j in range(Kc))
+        o_ref[b, jnp.int32(t), cols] = (acc * jax.nn.sigmoid(acc)).astype(o_ref.dtype)
+    # Every load above precedes these stores in the program, and no other program touches these channels.
+    verify = verify_ref[b] != 0
+    n = nvalid_ref[b]
+    for i in range(pool_ref.shape[1]):
+        kept = None
+        if i < Kc - 1:  # the last Kc-1 real inputs: full[n + i]
+            kept = full[i]
+            for m in range(1, T + 1):
+                kept = jnp.where(n == m, full[m + i], kept)
+        buffer = full[1 + i] if 1 + i < len(full) else None  # verify rows: the window after each position
+        if kept is None and buffer is None:
+            continue
+        if kept is None:
+            value, mask = buffer, verify
+        elif buffer is None:
+            value, mask = kept, jnp.logical_not(verify)
+        else:
+            value, mask = jnp.where(verify, buffer, kept), jnp.bool_(True)
+        plt.store(pool_ref.at[slot, jnp.int32(i), cols], value.astype(pool_ref.dtype), mask=jnp.full((BC,), mask))
+
+
+def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, verify, num_valid, interpret=None,
+                       num_warps: int = 4):
+    """Causal conv + SiLU of rows starting from their window in the pool; writes the new windows in place.
+    Shapes and semantics in the module docstring. Rows must use distinct slots (padding rows may share the
+    null slot: what they write there is never read)."""
+    B, T, _ = x.shape
+    Kc = weight.shape[-1]
+    assert conv_kernel_supports(channels), channels
+    assert pool.shape[2] == channels and pool.shape[1] >= Kc - 1, (pool.shape, channels, Kc)
+    BC = _channel_block(channels)
+    i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
+    kernel = functools.partial(_conv_kernel, T=T, Kc=Kc, BC=BC)
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, channels), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(B, channels // BC), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(x, weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid), pool)
