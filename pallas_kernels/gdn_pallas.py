@@ -133,10 +133,10 @@ def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, ver
 
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
-    key_dim = qkv_ref.shape[2] - o_ref.shape[2] * o_ref.shape[3]
-    q_cols, k_cols = pl.ds(hk * dk, dk), pl.ds(key_dim // 2 + hk * dk, dk)
+    qk_width = qkv_ref.shape[2] - o_ref.shape[2] * o_ref.shape[3]  # q ‖ k channels before v's Hv * dv
+    q_cols, k_cols = pl.ds(hk * dk, dk), pl.ds(qk_width // 2 + hk * dk, dk)
     cols = pl.ds(iv * BV, BV)
-    v_cols = pl.ds(key_dim + h * o_ref.shape[3] + iv * BV, BV)
+    v_cols = pl.ds(qk_width + h * o_ref.shape[3] + iv * BV, BV)
     slot = slot_ref[b]
     S = pool_ref[slot, start_ref[b], h, :, cols]
     S = jnp.where(fresh_ref[b] != 0, 0.0, S)  # a fresh row never sees what the slot held before
