@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import on_gpu
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
@@ -61,7 +62,7 @@ def write_kv(kv: PagedKV, slots, k, v, impl: str):
     """Write k, v [N, Hkv, D] at flat pool slots [N]. The Pallas kernel (in place) on a GPU or with
     impl "pallas" where a token's K is one Triton tile; XLA's scatter otherwise. Returns the two pools."""
     P, ps, Hkv, D = kv.k.shape
-    if (impl == "pallas" or jax.default_backend() == "gpu") and write_kernel_supports(Hkv, D):
+    if (impl == "pallas" or on_gpu()) and write_kernel_supports(Hkv, D):
         return write_kv_pallas(kv.k, kv.v, slots, k, v)
     scatter = lambda pool, x: pool.reshape(P * ps, Hkv, D).at[slots].set(x.astype(pool.dtype)).reshape(pool.shape)  # noqa: E731
     return scatter(kv.k, k), scatter(kv.v, v)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import jax
 
 
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU, where the kernels compile (Triton lowering); elsewhere they interpret."""
+    return jax.default_backend() == "gpu"
+
+
 def interpret_default(interpret):
     """None -> interpret everywhere but on a GPU (CPU runs are tests); an explicit bool wins."""
-    return jax.default_backend() != "gpu" if interpret is None else interpret
+    return not on_gpu() if interpret is None else interpret
 
 
 def triton_params(num_warps: int, num_stages: int = 1):

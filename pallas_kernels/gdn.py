@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from .common import on_gpu
 from .gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas, pooled_kernel_supports
 
 CHUNK_SIZE = 64
@@ -124,10 +125,6 @@ def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SI
     return o.transpose(0, 2, 1, 3), state
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 # Short inputs (decode, spec-verify windows) run the token loop; longer ones the chunked form.
 RECURRENT_MAX_T = 16
 
@@ -135,7 +132,7 @@ RECURRENT_MAX_T = 16
 def gdn_auto(q, k, v, g, beta, initial_state=None):
     """The Pallas kernels on a GPU (recurrent for T <= RECURRENT_MAX_T, chunked above), the XLA chunked
     form elsewhere: interpreting a Pallas kernel on CPU is for tests, not for serving."""
-    if not _on_gpu():
+    if not on_gpu():
         return gdn_chunked(q, k, v, g, beta, initial_state)
     if q.shape[1] <= RECURRENT_MAX_T:
         return gdn_recurrent_pallas(q, k, v, g, beta, initial_state)
@@ -147,7 +144,7 @@ def use_pooled_recurrent(impl: str, T: int, dk: int, dv: int) -> bool:
     short rows with tile-sized heads, under "pallas_pool" anywhere (interpret mode on CPU) and under
     "auto" on a GPU. It reads and writes the slot pool in place: on the H200 it removed the gather and
     scatter of every row's state (0.8B decode at batch 128: 7.7 -> 4.6 ms of device time per step)."""
-    wanted = impl == "pallas_pool" or (impl == "auto" and _on_gpu())
+    wanted = impl == "pallas_pool" or (impl == "auto" and on_gpu())
     return wanted and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
 
 
@@ -184,6 +181,6 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
 def gated_delta_rule_checkpoints(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
     """(o, final_state, states [B, T, Hv, dk, dv]): the state after every step, for spec verification.
     The Pallas recurrent kernel on a GPU unless impl names an XLA form; the checkpointing scan otherwise."""
-    if impl in ("pallas", "pallas_recurrent") or (impl in ("auto", "pallas_pool") and _on_gpu()):
+    if impl in ("pallas", "pallas_recurrent") or (impl in ("auto", "pallas_pool") and on_gpu()):
         return gdn_recurrent_pallas(q, k, v, g, beta, initial_state, keep_states=True)
     return gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state)

@@ -31,6 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt  # masked load/store (Triton lowering; also interpret mode)
 
+from .common import interpret_default
+
 
 def combine_reference(input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens, prefill_len,
                       draft_tokens, cu_num_logits, num_logits, unguarded=False):
@@ -115,8 +117,7 @@ def _pallas_kernel(idx_ref, last_ref, qsl_ref, seq_ref, plen_ref, draft_ref, cu_
 def combine_pallas(input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens, prefill_len,
                    draft_tokens, cu_num_logits, num_logits, unguarded=False, interpret=None):
     """Pallas kernel, one program per row; interpret=True on CPU (the default off-GPU)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpret_default(interpret)
     K = draft_tokens.shape[1]
     T = input_ids.shape[0]
     R = idx_mapping.shape[0]

@@ -16,7 +16,7 @@ softmax, instead of gathering max-pages-wide copies of K and V per row.
 
 `write_kv_pallas` writes a step's K/V into the pools in place, one program per token. XLA's scatter
 did the same but, in the 4-steps-per-launch decode program on the H200, some of its KV scatters cost as
-much as copying the whole pool (0.36 ms per layer at batch 128; bench/results/decode-r6-conv).
+much as copying the whole pool (~0.36 ms per call at batch 128; bench/results/decode-r6-conv).
 """
 
 from __future__ import annotations
