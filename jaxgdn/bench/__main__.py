@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
             m.add_argument("--prompt-len", type=int, default=64)
-            m.add_argument("--steps", type=int, default=32, help="decode steps per request after the warm-up (the timed calls)")
+            m.add_argument("--steps", type=int, default=32, help="decode steps per request after the warm-up (the timed calls), "
+                                                                    "rounded up to whole launches")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
             m.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",

@@ -82,71 +82,87 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
     return linear + attn + gdn + 2 * sizes["lm_head_params"] * batch
 
 
-def make_engine(params, cfg, *, batch: int, max_model_len: int, max_batched: int, K: int = 0,
-                gdn_impl: str = "auto", attention_impl: str = "xla", async_scheduling: bool | None = None,
-                decode_steps_per_launch: int | None = None):
-    """An engine sized for a benchmark: `batch` slots, KV pages for each at max_model_len (not a memory
-    fraction), bf16, K MTP drafts."""
-    from ..engine import LLMEngine
+def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
+                        attention_impl: str = "xla", async_scheduling: bool | None = None,
+                        decode_steps_per_launch: int | None = None):
+    """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
+    memory fraction), bf16, K MTP drafts."""
     from ..engine_config import EngineConfig
 
     ps = 16
     pages = batch * -(-max_model_len // ps) + 1
-    ecfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+    return EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
                         gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling,
                         decode_steps_per_launch=decode_steps_per_launch)
-    return LLMEngine(params, cfg, ecfg)
+
+
+def make_engine(params, cfg, **config):
+    """An engine sized for a benchmark (bench_engine_config's keywords)."""
+    from ..engine import LLMEngine
+
+    return LLMEngine(params, cfg, bench_engine_config(**config))
 
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "xla",
                      async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None) -> dict:
-    """Wall time per decode step of the engine: the engine.step() calls after the prompt call and `warm`
-    compile/warm-up calls, summed, over the tokens per row they produced (a launch may run several
-    decode steps: decode_steps_per_launch). profile_dir: also trace the last 5 engine.step() calls (host work
-    included) into profile_dir + "-engine" and 5 replayed device launches into profile_dir, and summarise
-    their kernels and host runtime events."""
+    """Wall time per decode step of the engine in steady state: the engine.step() calls after the prompt
+    call and `warm` compile/warm-up launches, summed, over the tokens per row whose results they brought
+    back. `steps` is rounded up to whole launches (a launch may run several decode steps:
+    decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
+    trace the last 5 engine.step() calls (host work included) into profile_dir + "-engine" and 5 replayed
+    device launches into profile_dir, and summarise their kernels and host runtime events.
+
+    Why results brought back and not tokens launched: with async scheduling the launch dispatched by the
+    last untimed call is on the device when the timed window opens, so the window holds its device time;
+    its tokens come back inside the window. (Counting launched tokens, as results before r7 (2026-11-30) did,
+    charged that launch's time to the later launches: up to 1.43x too high with 4 steps per launch, see
+    README, Performance, r7.)"""
     import jax
 
-    from ..request import SamplingParams
+    from ..request import PLACEHOLDER_TOKEN, SamplingParams
 
-    warm = 3
-    eng = make_engine(params, cfg, batch=batch, max_model_len=prompt_len + warm + steps + 8,
-                      max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
-                      attention_impl=attention_impl, async_scheduling=async_scheduling,
-                      decode_steps_per_launch=decode_steps_per_launch)
+    warm = 5  # launches: the first runs op by op, the second records the CUDA graph; then steady state
+    config = dict(batch=batch, max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
+                  attention_impl=attention_impl, async_scheduling=async_scheduling,
+                  decode_steps_per_launch=decode_steps_per_launch)
+    per_launch = bench_engine_config(max_model_len=prompt_len + 1, **config).resolved_decode_steps(
+        jax.default_backend())
+    decode_tokens = per_launch * (warm + -(-steps // per_launch))  # whole launches after the prompt's token
+    eng = make_engine(params, cfg, max_model_len=prompt_len + 1 + decode_tokens + 8, **config)
     rng = np.random.default_rng(batch)
-    sp = SamplingParams(temperature=0, max_tokens=warm + steps, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
 
-    def outputs_so_far():  # tokens launched (placeholders in flight count) over all requests
-        return sum(len(r.output_token_ids) for r in eng.requests.values())
+    def tokens_back():  # output tokens whose values reached the host, over all requests
+        return sum(sum(t != PLACEHOLDER_TOKEN for t in r.output_token_ids) for r in eng.requests.values())
 
     times, t_first, before = [], time.perf_counter(), None
-    traced, tracing_on, per_launch = 0, False, eng.decode_steps_per_launch
+    traced, tracing_on = 0, False
     with contextlib.ExitStack() as tracing:
         while eng.has_unfinished:
             # the prompt call and `warm` decode calls (they compile and warm the decode program) are not timed
             if len(times) == 1 + warm:
-                before, outputs_before, first_timed = dict(eng.timings), outputs_so_far(), len(times)
+                before, tokens_before, first_timed = dict(eng.timings), tokens_back(), len(times)
             # trace the last ~5 calls: real steps, host preparation included
-            if profile_dir and not tracing_on and eng.num_steps >= warm + steps - 5 * per_launch:
+            if profile_dir and not tracing_on and eng.num_steps >= decode_tokens - 5 * per_launch:
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
                 tracing_on = True
             traced += tracing_on
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-    if before is None or outputs_so_far() == outputs_before:
+    if before is None or tokens_back() == tokens_before:
         raise ValueError(f"--steps {steps}: no decode step left to time after {warm} warm-up calls")
     decode = times[first_timed:]
-    decode_steps = (outputs_so_far() - outputs_before) / batch  # model steps that produced a token per row
+    decode_steps = (tokens_back() - tokens_before) / batch  # model steps whose token per row came back
     phases = {k: (v - before.get(k, 0.0)) / decode_steps * 1e3 for k, v in eng.timings.items()}
-    generated = outputs_so_far()
+    generated = tokens_back()
     out = {"async_scheduling": eng.async_scheduling, "decode_steps_per_launch": per_launch,
            "ms_per_step": sum(decode) / decode_steps * 1e3, "ms_per_call_median": statistics.median(decode) * 1e3,
+           "timed_steps": decode_steps,
            "device_ms_per_step": eng.runner.time_device_step(),
            # the same replays on one device copy of the input: the whole graph at fixed addresses
            "device_ms_per_step_fixed_input": eng.runner.time_device_step(fresh_input=False),
@@ -331,10 +347,11 @@ def bench_decode(args) -> dict:
     return _decode_payload(args, sizes, bw, rows)
 
 
-DECODE_TIMING = ("wall time per decode step, all rows decoding: the timed engine.step() calls (host prep + "
-                 "launch + token fetch) summed, over the tokens per row they produced (a launch runs several "
-                 "decode steps with decode_steps_per_launch > 1); results before 2026-11-30 r5 used the median "
-                 "call instead")
+DECODE_TIMING = ("wall time per decode step, all rows decoding, steady state: the timed engine.step() calls "
+                 "(host prep + launch + token fetch) summed, over the tokens per row whose results came back in "
+                 "them, timed launches whole (a launch runs several decode steps with decode_steps_per_launch > "
+                 "1); results before r7 (2026-11-30) divided by the tokens launched and could end on a partly "
+                 "masked launch (up to 1.43x high with async scheduling), before 2026-11-30 r5 the median call")
 PREFILL_TIMING = "median wall time of one engine step running whole prompts (host prep, step, token fetch)"
 
 
