@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-sync|prefill|prefill-pallas|spec|spec-shipped|pd|
-#                       startup ...]
-#   (default: all but the four extras, in this order: decode-1step times one decode step per launch,
+#   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|prefill-pallas|spec|
+#                       spec-shipped|pd|startup ...]
+#   (default: all but the five extras, in this order: decode-fla times transformers + fla alone (one call),
+#   decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
 #   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
@@ -29,6 +30,10 @@ for step in $steps; do
     # one decode step per launch (the default runs 4 on a GPU), beside the default in the same session
     decode-1step) timeout 200 python3 -m jaxgdn.bench decode --decode-steps-per-launch 1 --no-peer --batch 1 8 32 64 \
                --out "$dest/decode-1step_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # batches 1 and 32 against transformers + fla (carried wheels) alone in a call: fla's first Triton
+    # compiles take minutes, which ran the 300 s "decode" step out of time (decode-fla-peer, incomplete)
+    decode-fla) timeout 560 python3 -m jaxgdn.bench decode --batch 1 32 --peer-batch 1 32 \
+               --out "$dest/decode-fla_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode-sync) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling off --no-peer --profile /tmp/jaxgdn-profile-sync \
                --out "$dest/decode-sync_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
