@@ -1,36 +1,20 @@
 """Probe: one timeline of host runtime events and GPU busy intervals from a jax.profiler perfetto trace.
 
-    python bench/probes/timeline.py TRACE_DIR [MAX_LINES]     # e.g. bench decode --profile P: P/batch1-engine
+    PYTHONPATH=. python bench/probes/timeline.py TRACE_DIR [MAX_LINES]     # e.g. bench decode --profile P: P/batch1-engine
 
 GPU kernels closer than 4 us merge into one busy interval (a CUDA graph's launch shows as one line);
 host events are the launch/update/transfer calls worth lining up against them, with their thread. Times
 are microseconds from the first event. The header gives the GPU's idle time between intervals and the
 largest gaps."""
 
-import glob
-import gzip
-import json
-import os
 import sys
+
+from jaxgdn.bench.common import gpu_pids, load_trace
 
 HOST_EVENTS = ("PjitFunction", "cuGraphLaunch", "command_buffer::update", "np.asarray", "DevicePutWithSharding",
                "BufferFromHostBuffer", "cuLaunchHostFunc", "copy_to_host_async", "cuStreamSynchronize",
                "cuEventSynchronize", "Thunks::Initialize", "cuGraphExecUpdate", "cuMemcpy", "Memcpy",
                "BlockHostUntilDone", "WaitForEvent", "cuStreamWaitEvent", "TransferLiteral")
-
-
-def load_events(trace_dir: str):
-    """(complete events, pid -> process name, (pid, tid) -> thread name) of the newest trace under trace_dir."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
-    if not files:
-        raise SystemExit(f"no perfetto trace under {trace_dir}")
-    data = json.load(gzip.open(files[-1]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    meta = [e for e in events if e.get("ph") == "M"]
-    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
-    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in meta
-               if e.get("name") == "thread_name"}
-    return [e for e in events if e.get("ph") == "X"], processes, threads
 
 
 def busy_intervals(kernels):
@@ -46,8 +30,11 @@ def busy_intervals(kernels):
 
 
 def main(trace_dir: str, max_lines: int = 400) -> None:
-    events, processes, threads = load_events(trace_dir)
-    gpu = {pid for pid, name in processes.items() if "GPU" in name or "/device:" in name}
+    loaded = load_trace(trace_dir)
+    if loaded is None:
+        raise SystemExit(f"no perfetto trace under {trace_dir}")
+    events, processes, threads = loaded
+    gpu = gpu_pids(processes)
     t0 = min(e["ts"] for e in events)
     busy = busy_intervals(sorted((e["ts"] - t0, e["ts"] - t0 + e.get("dur", 0)) for e in events if e["pid"] in gpu))
     host = [(e["ts"] - t0, e["ts"] - t0 + e.get("dur", 0), e["name"], threads.get((e["pid"], e["tid"]), e["tid"]))

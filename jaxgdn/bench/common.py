@@ -97,24 +97,42 @@ def measured_matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def load_trace(trace_dir: str):
+    """The newest `jax.profiler.trace(..., create_perfetto_trace=True)` capture under trace_dir as (complete
+    events, pid -> process name, (pid, tid) -> thread name); None when there is none."""
+    import glob
+    import gzip
+    import os
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        return None
+    data = json.load(gzip.open(files[-1]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    meta = [e for e in events if e.get("ph") == "M"]
+    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in meta
+               if e.get("name") == "thread_name"}
+    return [e for e in events if e.get("ph") == "X"], processes, threads
+
+
+def gpu_pids(processes: dict) -> set:
+    """The trace processes that are GPU streams."""
+    return {pid for pid, name in processes.items() if "GPU" in name or "/device:" in name}
+
+
 def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40, host_top: int = 25) -> dict:
     """Summarise a `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` capture: per device
     process (GPU streams when there are any, else the host), total busy time and the kernels that took it,
     in microseconds per `divide_by` (e.g. per step). With GPU streams, `host` lists the host-side runtime
     events (launches, command-buffer updates, transfers; nested events each count) the same way."""
     import collections
-    import gzip
-    import glob
-    import os
 
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
-    if not files:
+    loaded = load_trace(trace_dir)
+    if loaded is None:
         return {"error": f"no perfetto trace under {trace_dir}"}
-    data = json.load(gzip.open(files[-1]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in names.items() if "GPU" in n or "/device:" in n}
+    events, names, _ = loaded
+    device_pids = gpu_pids(names)
     keep = device_pids or set(names)
     per_kernel: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
@@ -122,8 +140,6 @@ def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40, host_top:
     host_counts: collections.Counter = collections.Counter()
     start, end = float("inf"), 0.0
     for e in events:
-        if e.get("ph") != "X":
-            continue
         if e.get("pid") in keep:
             per_kernel[e["name"]] += e.get("dur", 0)
             counts[e["name"]] += 1
