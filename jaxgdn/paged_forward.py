@@ -166,17 +166,23 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
     [R, Q, H], new EngineState).
 
-    rows_are_flat (static; default: Q == 1, a step of single-token rows): flat tokens [0, R*Q) are the
-    [R, Q] view row by row, so the two forms are reshapes instead of a gather and a scatter around every
-    token mixer. Padding rows then carry the padding tokens' values; no layer mixes rows and only the
-    null page/slot receive their writes, so they are never read."""
+    rows_are_flat (static; default: single-token rows (Q == 1) or a single row (R == 1), when R*Q <= T):
+    flat tokens [0, R*Q) are the [R, Q] view row by row (rows sit at cumulative offsets from 0, padding
+    cells after a row's real tokens), so the two forms are reshapes instead of a gather and a scatter
+    around every token mixer, and the trunk runs on those R*Q tokens only. That matters twice: a decode
+    step's flat bucket T is at least 8, and a weight product over 8 rows for one real one runs a GEMM
+    tile where a single row gets XLA's faster GEMV form; a long prompt's scatter and gather cost a pass
+    over the activations per layer. Tokens from R*Q to T (never a row's) come back as zeros; padding
+    cells and rows carry the padding tokens' values, which no layer mixes into a real token (padded GDN
+    steps neither decay nor write, attention masks them, their KV writes go to the null page)."""
     T = input_ids.shape[0]
     R, Q = view.token_index.shape
     if rows_are_flat is None:
-        rows_are_flat = Q == 1 and R <= T
+        rows_are_flat = (Q == 1 or R == 1) and R * Q <= T
+    trunk_ids = input_ids[: R * Q] if rows_are_flat else input_ids
     if rows_are_flat:
-        to_rows = lambda x: x[: R * Q].reshape(R, Q, *x.shape[1:])  # noqa: E731
-        to_flat = lambda y: jnp.pad(y.reshape(R * Q, *y.shape[2:]), [(0, T - R * Q)] + [(0, 0)] * (y.ndim - 2))  # noqa: E731
+        to_rows = lambda x: x.reshape(R, Q, *x.shape[1:])  # noqa: E731
+        to_flat = lambda y: y.reshape(R * Q, *y.shape[2:])  # noqa: E731
     else:
         cell = jnp.clip(view.token_index, 0, T - 1)
         flat_index = jnp.where(view.valid, view.token_index, T)
@@ -184,7 +190,7 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
         to_flat = lambda y: jnp.zeros((T, *y.shape[2:]), y.dtype).at[flat_index].set(y, mode="drop")  # noqa: E731
     # Norms and MLPs run on the flat tokens; only the token mixers see the [R, Q] view, whose padding
     # (R*Q can be several times T in a mixed prefill/decode step) would otherwise multiply their cost.
-    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]  # [T, H]
+    x = params.embed_tokens[jnp.clip(trunk_ids, 0, cfg.vocab_size - 1)]  # [T or R*Q, H]
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         p = params.layers[i]
@@ -204,8 +210,9 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
 
         x, new_state = residual_block(p, cfg, x, mixer)
         new_layers.append(new_state)
-    hidden_flat = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
-    return hidden_flat, to_rows(hidden_flat), EngineState(
+    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    hidden_flat = jnp.pad(hidden, [(0, T - hidden.shape[0]), (0, 0)])
+    return hidden_flat, to_rows(hidden), EngineState(
         layers=tuple(new_layers),
         mtp_layers=state.mtp_layers,
         last_sampled=state.last_sampled,

@@ -226,9 +226,11 @@ def test_request_token_slice_matches_the_concatenated_sequence():
     assert req.token_after(5) == 13
 
 
-def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_path(monkeypatch):
-    """A step of single-token rows (Q = 1) runs the model with reshapes between the flat and [R, Q] forms;
-    it must give the same tokens and state as the general gather/scatter path."""
+@pytest.mark.parametrize("case", ["decode rows", "one prompt"])
+def test_flat_steps_reshape_instead_of_gathering_and_match_the_general_path(monkeypatch, case):
+    """A step of single-token rows (Q = 1) or of one row (R = 1) runs the model on the first R*Q flat
+    tokens with reshapes between the flat and [R, Q] forms; it must give the same tokens and state as the
+    general gather/scatter path. "one prompt": a 5-token prompt in an 8-token bucket (3 padding cells)."""
     import functools
 
     import jax
@@ -242,14 +244,23 @@ def test_single_token_steps_reshape_instead_of_gathering_and_match_the_general_p
     seen = []
     dispatch = eng.runner.dispatch
     eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
-    for i in range(3):
-        eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
-    eng.step()  # the prompts
-    eng.step()  # three decodes: [R, Q] = [4, 1]
-    assert seen[1].token_index.shape == (4, 1)
-    buf, layout = pack_step_arrays(seen[1])
+    if case == "decode rows":
+        for i in range(3):
+            eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
+        eng.step()  # the prompts
+        eng.step()  # three decodes: [R, Q] = [4, 1]
+        arrays = seen[1]
+        assert arrays.token_index.shape == (4, 1)
+    else:
+        eng.add_request(prompt(610, 5), SamplingParams(temperature=0, max_tokens=8))
+        state_before = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
+        eng.step()
+        arrays = seen[0]
+        assert arrays.token_index.shape == (1, 8) and arrays.input_ids.shape == (8,)
+        eng.runner.state = state_before
+    buf, layout = pack_step_arrays(arrays)
     results = []
-    for flat in (None, False):  # None: the default, which reshapes when Q == 1
+    for flat in (None, False):  # None: the default, which reshapes here
         monkeypatch.setattr(runner_module, "forward_paged", functools.partial(forward_paged, rows_are_flat=flat))
         step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
                                          input_impl="xla", unguarded=False), static_argnums=(4, 5))
