@@ -82,18 +82,30 @@ def _kernel(bt_ref, seq_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, *, BQ, group,
         return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
 
     init = (jnp.full((BQ,), -jnp.inf, f32), jnp.zeros((BQ,), f32), jnp.zeros((BQ, D), f32))
-    n_pages = (seq_len + ps - 1) // ps
+    # Pages past the block's last query position hold only keys no query here may see (causal): a
+    # prompt's query blocks read half its pages on average, not all of them. All-padding blocks read none.
+    n_pages = jnp.minimum((seq_len + ps - 1) // ps, jnp.max(qpos) // ps + 1)
     _, l, acc = lax.fori_loop(0, n_pages, page, init)
     o_ref[r, rows, h, :] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
+LONG_ROW_BLOCK_Q = 64  # queries per program for rows of >= 256 queries (prompts): K/V read once per 64
+
+
 def paged_attention_pallas(q, k_pool, v_pool, block_tables, q_positions, seq_lens, interpret=None,
-                           block_q: int = 16, num_warps: int = 4):
+                           block_q: int | None = None, num_warps: int | None = None):
     """The flash kernel: one program per (row, query head, block of block_q queries). Q is padded to a
-    multiple of block_q; head_dim and page size must be powers of two >= 16 (Triton tiles)."""
+    multiple of block_q; head_dim and page size must be powers of two >= 16 (Triton tiles).
+    block_q None: 16 for short rows (decode, verification), LONG_ROW_BLOCK_Q for rows of >= 256 queries,
+    where each program re-reads the row's pages and a 16-query block would read them Q/16 times per head;
+    num_warps None: 8 for blocks over 16 queries (their [block_q, D] fp32 accumulator), else 4."""
     interpret = interpret_default(interpret)
     R, Q, Hq, D = q.shape
     P, ps, Hkv, _ = k_pool.shape
+    if block_q is None:
+        block_q = LONG_ROW_BLOCK_Q if Q >= 256 else 16
+    if num_warps is None:
+        num_warps = 8 if block_q > 16 else 4
     BQ = min(block_q, max(16, pl.next_power_of_2(Q)))
     pad = (-Q) % BQ
     if pad:

@@ -91,6 +91,21 @@ def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
     assert float(jnp.abs(out - ref).max()) <= tol * max(1.0, float(jnp.abs(ref).max()))
 
 
+def test_paged_attention_kernel_compiled_on_a_whole_prompt_equals_reference():
+    """The long-row configuration (64-query blocks, 8 warps, causal page bound) on a 300-token prompt."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
+    from test_paged_attention import paged_case
+
+    q, k_pool, v_pool, bt, _, seq = paged_case(seed=3, R=2, Q=320, MP=20, D=256, dtype=jnp.bfloat16, lens=(300, 170))
+    qpos = jnp.asarray(np.stack([np.where(np.arange(320) < n, np.arange(320), -1) for n in (300, 170)]), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(paged_attention_reference)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)
+    out = jax.jit(paged_attention_pallas)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)
+    assert float(jnp.abs(out - ref).max()) <= 3e-2 * max(1.0, float(jnp.abs(ref).max()))
+
+
 def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     """The GPU default runs 4 decode steps per launch (pool kernel, command buffers with a loop): greedy
     outputs equal plain greedy decoding, sampled ones those of one step per launch."""

@@ -10,14 +10,14 @@ from jaxgdn.attention import gqa_attention
 from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
 
 
-def paged_case(seed=0, R=3, Q=5, Hq=4, Hkv=2, D=16, ps=16, MP=4, dtype=jnp.float32):
+def paged_case(seed=0, R=3, Q=5, Hq=4, Hkv=2, D=16, ps=16, MP=4, dtype=jnp.float32, lens=(5, 23, 49)):
     """Random pool with NaN in the null page and past each row's end, rows at different lengths, Q queries at the end of
     each row (a prefill chunk or decode/verify window), and one padding query per row (position -1)."""
     r = np.random.default_rng(seed)
     P = R * MP + 1
     k_pool = r.standard_normal((P, ps, Hkv, D)).astype(np.float32)
     v_pool = r.standard_normal((P, ps, Hkv, D)).astype(np.float32)
-    seq_lens = np.array([5, 23, 49])[:R]
+    seq_lens = np.array(lens)[:R]
     perm = r.permutation(np.arange(1, P))
     block_tables = np.zeros((R, MP), np.int32)
     k_pool[0] = v_pool[0] = np.nan  # the null page: garbage must never leak in
@@ -58,6 +58,20 @@ def test_pallas_kernel_equals_reference(Q):
     out = paged_attention_pallas(q, k_pool, v_pool, bt, qpos, seq)
     assert out.shape == ref.shape and bool(jnp.isfinite(out).all())
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+@pytest.mark.parametrize("block_q", [16, 32])
+def test_pallas_kernel_on_whole_prompts_equals_reference(block_q):
+    """Rows that are whole prompts (queries at positions 0 .. len-1, then padding): query blocks stop at
+    their last query's page (causal bound), so early blocks read fewer pages than the row has."""
+    lens = (70, 40)
+    q, k_pool, v_pool, bt, _, seq = paged_case(seed=block_q, R=2, Q=72, MP=5, lens=lens)
+    qpos = jnp.asarray(np.stack([np.where(np.arange(72) < n, np.arange(72), -1) for n in lens]), jnp.int32)
+    ref = paged_attention_reference(q, k_pool, v_pool, bt, qpos, seq)
+    out = paged_attention_pallas(q, k_pool, v_pool, bt, qpos, seq, block_q=block_q)
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+    assert np.all(np.asarray(out)[1, 40:] == 0)  # padding queries see no key
 
 
 def test_pallas_kernel_lowers_to_triton_without_a_gpu():
