@@ -5,7 +5,9 @@
 
 Shapes are the 0.8B model's [N out, K in] products (GDN in_proj, MLP gate/up and down, out_proj, attention
 q/k/v) at M = 1, 8, 64 rows. Times are device microseconds per call read from a profiler trace (timing
-Python-dispatched calls measures ~30 us of dispatch, not the kernel). Columns: `xla_us` a plain product,
+Python-dispatched calls measures ~30 us of dispatch, not the kernel). Each call repeats one matrix, which
+then sits in the H200's 50 MB L2: these are L2-hot times (XLA's read 3.1-4.3 TB/s); `cold_products.py` times
+the same shapes cold, as the model's layers run them. Columns: `xla_us` a plain product,
 `xla_norm_us` the in-model form (an RMSNorm of x ahead of it, which XLA may fuse), `pallas_<BN>x<BK>w<warps>
 s<stages>k<split>` (us, relative error) the GEMV kernel below with BN output rows per program, BK-wide K
 blocks and K split over `split` programs (partial sums added after)."""
