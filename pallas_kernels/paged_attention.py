@@ -11,8 +11,9 @@ Key s is visible to query t iff s <= q_positions[t] and s < seq_len. Query head 
 h // (Hq / Hkv). Softmax in fp32 (scores scaled by D^-1/2); probabilities cast to the value dtype
 before P·V, as HF's eager attention does. A query that sees no key gets zeros.
 
-The kernel reads only the pages a row has (ceil(seq_len / ps) of them), one page per step of an online
-softmax, instead of gathering max-pages-wide copies of K and V per row.
+The kernel reads only the pages a row has (ceil(seq_len / ps) of them) and, per block of queries, only
+those up to the block's last query position (causal), one page per step of an online softmax, instead of
+gathering max-pages-wide copies of K and V per row.
 
 `write_kv_pallas` writes a step's K/V into the pools in place, one program per token. XLA's scatter
 did the same but, in the 4-steps-per-launch decode program on the H200, some of its KV scatters cost as
@@ -89,7 +90,7 @@ def _kernel(bt_ref, seq_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, *, BQ, group,
     o_ref[r, rows, h, :] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
-LONG_ROW_BLOCK_Q = 64  # queries per program for rows of >= 256 queries (prompts): K/V read once per 64
+LONG_ROW_BLOCK_Q = 64  # queries per program for rows of >= 256 queries (prompts): one read of the pages per 64
 
 
 def paged_attention_pallas(q, k_pool, v_pool, block_tables, q_positions, seq_lens, interpret=None,

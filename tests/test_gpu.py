@@ -98,8 +98,8 @@ def test_paged_attention_kernel_compiled_on_a_whole_prompt_equals_reference():
     from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
     from test_paged_attention import paged_case
 
-    q, k_pool, v_pool, bt, _, seq = paged_case(seed=3, R=2, Q=320, MP=20, D=256, dtype=jnp.bfloat16, lens=(300, 170))
-    qpos = jnp.asarray(np.stack([np.where(np.arange(320) < n, np.arange(320), -1) for n in (300, 170)]), jnp.int32)
+    q, k_pool, v_pool, bt, qpos, seq = paged_case(seed=3, R=2, Q=320, MP=20, D=256, dtype=jnp.bfloat16, lens=(300, 170),
+                                                  whole_prompts=True)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(paged_attention_reference)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)
     out = jax.jit(paged_attention_pallas)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)

@@ -10,9 +10,11 @@ from jaxgdn.attention import gqa_attention
 from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
 
 
-def paged_case(seed=0, R=3, Q=5, Hq=4, Hkv=2, D=16, ps=16, MP=4, dtype=jnp.float32, lens=(5, 23, 49)):
+def paged_case(seed=0, R=3, Q=5, Hq=4, Hkv=2, D=16, ps=16, MP=4, dtype=jnp.float32, lens=(5, 23, 49),
+               whole_prompts=False):
     """Random pool with NaN in the null page and past each row's end, rows at different lengths, Q queries at the end of
-    each row (a prefill chunk or decode/verify window), and one padding query per row (position -1)."""
+    each row (a prefill chunk or decode/verify window), and one padding query per row (position -1).
+    whole_prompts: the queries are instead each row's whole prompt, positions 0 .. len-1, then padding."""
     r = np.random.default_rng(seed)
     P = R * MP + 1
     k_pool = r.standard_normal((P, ps, Hkv, D)).astype(np.float32)
@@ -26,9 +28,12 @@ def paged_case(seed=0, R=3, Q=5, Hq=4, Hkv=2, D=16, ps=16, MP=4, dtype=jnp.float
         block_tables[i, :n] = perm[i * MP : i * MP + n]
         tail = seq_lens[i] - (n - 1) * ps  # slots of the last page past seq_len are unwritten
         k_pool[block_tables[i, n - 1], tail:] = v_pool[block_tables[i, n - 1], tail:] = np.nan
-    q_positions = np.stack([np.arange(s - Q + 1, s + 1) for s in seq_lens]).astype(np.int32)
-    q_positions = np.maximum(q_positions, -1)
-    q_positions[:, 0] = -1  # a padding cell: sees no key
+    if whole_prompts:
+        q_positions = np.stack([np.where(np.arange(Q) < s, np.arange(Q), -1) for s in seq_lens]).astype(np.int32)
+    else:
+        q_positions = np.stack([np.arange(s - Q + 1, s + 1) for s in seq_lens]).astype(np.int32)
+        q_positions = np.maximum(q_positions, -1)
+        q_positions[:, 0] = -1  # a padding cell: sees no key
     q = r.standard_normal((R, Q, Hq, D)).astype(np.float32)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return (cast(q), cast(k_pool), cast(v_pool), jnp.asarray(block_tables), jnp.asarray(q_positions),
@@ -64,9 +69,7 @@ def test_pallas_kernel_equals_reference(Q):
 def test_pallas_kernel_on_whole_prompts_equals_reference(block_q):
     """Rows that are whole prompts (queries at positions 0 .. len-1, then padding): query blocks stop at
     their last query's page (causal bound), so early blocks read fewer pages than the row has."""
-    lens = (70, 40)
-    q, k_pool, v_pool, bt, _, seq = paged_case(seed=block_q, R=2, Q=72, MP=5, lens=lens)
-    qpos = jnp.asarray(np.stack([np.where(np.arange(72) < n, np.arange(72), -1) for n in lens]), jnp.int32)
+    q, k_pool, v_pool, bt, qpos, seq = paged_case(seed=block_q, R=2, Q=72, MP=5, lens=(70, 40), whole_prompts=True)
     ref = paged_attention_reference(q, k_pool, v_pool, bt, qpos, seq)
     out = paged_attention_pallas(q, k_pool, v_pool, bt, qpos, seq, block_q=block_q)
     assert bool(jnp.isfinite(out).all())
