@@ -25,6 +25,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+WHOLE_PROMPT_MIN_QUERIES = 64  # see StepArrays.whole_prompts
+
+
 @dataclasses.dataclass
 class StepArrays:
     """Numpy arrays of one step; field names match the device step's arguments."""
@@ -52,6 +55,16 @@ class StepArrays:
     top_p: np.ndarray  # [R]
     seeds: np.ndarray  # [R] uint32
     request_ids: np.ndarray  # [R] uint32
+
+    @property
+    def whole_prompts(self) -> bool:
+        """Every row starts at position 0 (its sequence is this step's tokens: seq_lens == its cells), in a
+        bucket of at least WHOLE_PROMPT_MIN_QUERIES cells per row. The device step then attends to the
+        step's own K/V without reading pages (`paged_forward.paged_attention`), as its own compiled program;
+        shorter buckets (decode, verify) keep one program whatever their rows are."""
+        if self.token_index.shape[1] < WHOLE_PROMPT_MIN_QUERIES:
+            return False
+        return bool(np.all(self.seq_lens == np.sum(self.token_index >= 0, axis=1)))
 
     @property
     def shape_key(self) -> tuple[int, int, int, int]:

@@ -21,10 +21,10 @@ from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
 from pallas_kernels.paged_attention import paged_attention_pallas, write_kernel_supports, write_kv_pallas
 
-from .attention import gqa_attention, project_qkv_gate
+from .attention import fresh_prompt_attention, gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
-from .gdn import causal_conv_silu, gdn_layer, gdn_output, gdn_projections
+from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output, gdn_projections
 from .mlp import linear
 from .model import residual_block
 from .mtp import mtp_fc_input
@@ -68,10 +68,13 @@ def write_kv(kv: PagedKV, slots, k, v, impl: str):
     return scatter(kv.k, k), scatter(kv.v, v)
 
 
-def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla"):
+def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False):
     """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
     row's pages. impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash
-    kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow."""
+    kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow.
+    whole_prompts (static; the host sets it, see `StepArrays.whole_prompts`): every row starts at
+    position 0 (seq_lens == num_valid), and impl "xla" reads the step's own K/V instead of the pages
+    (`fresh_prompt_attention`: cuDNN's flash attention on a GPU)."""
     R, Q, _ = h.shape
     q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
     P, ps, Hkv, D = kv.k.shape
@@ -81,17 +84,30 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
         attn = paged_attention_pallas(q.astype(h.dtype), k_pool, v_pool, view.block_tables, q_pos, view.seq_lens)
         o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
         return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+    if whole_prompts:
+        # Every row starts at position 0, so its keys are its own K/V of this step, as stored (the pool's
+        # dtype): a flash kernel attends to them without the paged form's [Q, MP * page_size] scores.
+        k_own, v_own = (x.astype(k_pool.dtype).astype(h.dtype) for x in (k, v))
+        attn = fresh_prompt_attention(q, k_own, v_own, view.num_valid, view.positions, view.valid)
+    else:
+        attn = _attention_over_pages(q, k_pool, v_pool, view, h.dtype)
+    o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
+    return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+
+
+def _attention_over_pages(q, k_pool, v_pool, view: RowView, dtype):
+    """XLA attention of [R, Q] rows over a gathered contiguous view of their pages -> [R, Q, Hq, D]."""
+    R = q.shape[0]
+    P, ps, Hkv, D = k_pool.shape
     MP = view.block_tables.shape[1]
     k_view = k_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
     v_view = v_pool[view.block_tables].reshape(R, MP * ps, Hkv, D)
     k_pos = jnp.broadcast_to(jnp.arange(MP * ps, dtype=jnp.int32), (R, MP * ps))
     k_valid = k_pos < view.seq_lens[:, None]
     # Unwritten pages may hold anything (even NaN): zero them so masked probabilities stay exact zeros.
-    v_view = jnp.where(k_valid[..., None, None], v_view, 0).astype(h.dtype)
-    k_view = jnp.where(k_valid[..., None, None], k_view, 0).astype(h.dtype)
-    attn = gqa_attention(q, k_view, v_view, view.positions, k_pos, k_valid)
-    o = attn.reshape(R, Q, -1) * jax.nn.sigmoid(gate)
-    return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+    v_view = jnp.where(k_valid[..., None, None], v_view, 0).astype(dtype)
+    k_view = jnp.where(k_valid[..., None, None], k_view, 0).astype(dtype)
+    return gqa_attention(q, k_view, v_view, view.positions, k_pos, k_valid)
 
 
 def _read_conv(slots: GDNSlots, view: RowView, offset, kc: int):
@@ -155,16 +171,17 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,
                                      view.verify_path, view.num_valid)
     else:
-        u, window, full = causal_conv_silu(mixed, _read_conv(slots, view, offset, kc), p.conv1d, view.num_valid)
-        conv = _write_conv(slots, view, window, full[:, 1 : kc + K] if K else None)
+        start_window = _read_conv(slots, view, offset, kc)
+        u, window = causal_conv_silu(mixed, start_window, p.conv1d, view.num_valid)
+        conv = _write_conv(slots, view, window, conv_checkpoint_inputs(start_window, mixed, K) if K else None)
     o, ssm = gdn_recurrent_pooled(u, g, beta, slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
     return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,
-                  attention_impl: str = "xla", rows_are_flat: bool | None = None):
+                  attention_impl: str = "xla", rows_are_flat: bool | None = None, whole_prompts: bool = False):
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
-    [R, Q, H], new EngineState).
+    [R, Q, H], new EngineState). whole_prompts (static): see `paged_attention`.
 
     rows_are_flat (static; default: single-token rows (Q == 1) or a single row (R == 1), when R*Q <= T):
     flat tokens [0, R*Q) are the [R, Q] view row by row (rows sit at cumulative offsets from 0, padding
@@ -198,7 +215,7 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
         if layer_type == FULL_ATTENTION:
 
             def mixer_rows(h, p=p, s=layer_state):
-                return paged_attention(p.mixer, cfg, h, view, s, attention_impl)
+                return paged_attention(p.mixer, cfg, h, view, s, attention_impl, whole_prompts)
         else:
 
             def mixer_rows(h, p=p, s=layer_state):
@@ -222,14 +239,15 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
 
 
 def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple,
-              attention_impl: str = "xla"):
+              attention_impl: str = "xla", whole_prompts: bool = False):
     """The MTP head over [R, Q] cells: cell (r, j) gets the trunk hidden at its position and the token
-    after it. Writes the MTP layer's own paged KV. Returns (mtp hidden [R, Q, H] after mtp.norm, layers)."""
+    after it. Writes the MTP layer's own paged KV. Returns (mtp hidden [R, Q, H] after mtp.norm, layers).
+    whole_prompts (static): see `paged_attention`."""
     mtp = params.mtp
     x = mtp_fc_input(params, cfg, hidden, next_ids)
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
-        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(layer.mixer, cfg, h, view, kv,
-                                                                                                 attention_impl))
+        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(
+            layer.mixer, cfg, h, view, kv, attention_impl, whole_prompts))
         new_layers.append(kv)
     return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

@@ -61,7 +61,7 @@ def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
 
 
 def _packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
-                 num_steps: int = 1, **static):
+                 num_steps: int = 1, whole_prompts: bool = False, **static):
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
     the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
     single device-to-host copy. Returns (state, flat, resident).
@@ -75,12 +75,15 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     num_steps (static): > 1 runs that many decode steps in one launch (every row a 1-token decode row,
     K = 0): step j sees the arrays advanced by j positions (_advance_decode_rows) and its input token is
     step j-1's sample, placed on device from last_sampled as always. flat then holds num_steps results
-    of the layout above, one after the other."""
+    of the layout above, one after the other.
+    whole_prompts (static): every row starts at position 0 (StepArrays.whole_prompts); attention reads
+    the step's own K/V instead of the pages."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
     a = unpack_step_arrays(resident, layout)
 
     def one_step(state, arrays):
-        state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic, **static)
+        state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic,
+                                                               whole_prompts=whole_prompts, **static)
         return state, jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
 
     if num_steps == 1:
@@ -123,7 +126,8 @@ def _advance_decode_rows(a: dict[str, Any], j, page_size: int) -> dict[str, Any]
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
-                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True):
+                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True,
+                 whole_prompts: bool = False):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a["idx_mapping"].shape[0]
@@ -142,7 +146,8 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
         block_tables=a["block_tables"], seq_lens=a["seq_lens"], idx_mapping=idx, fresh=a["fresh"],
         verify_path=a["verify_path"],
     )
-    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl, attention_impl)
+    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl, attention_impl,
+                                             whole_prompts=whole_prompts)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
@@ -170,7 +175,8 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     mtp_layers = state.mtp_layers
     if K and params.mtp is not None:
         new_drafts, mtp_layers = _propose_drafts(params, cfg, a, view, ids, hidden_rq, tokens, num_sampled,
-                                                 n_draft, samples, last_token, mtp_layers, K, attention_impl)
+                                                 n_draft, samples, last_token, mtp_layers, K, attention_impl,
+                                                 whole_prompts)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted)
@@ -178,13 +184,14 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
 
 
 def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_sampled, n_draft, samples,
-                    last_token, mtp_layers, K, attention_impl):
+                    last_token, mtp_layers, K, attention_impl, whole_prompts=False):
     """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form).
 
     Cell (r, j) of the step gets (trunk hidden at position p_j, token at p_j + 1): the next input token
     of the row, and for the last kept cell the token just sampled (or, for a prefill chunk, the next
     prompt token). Rejected cells are dropped. Draft 0 comes from the last kept cell; drafts 1..K-1 chain
-    one token at a time on the MTP's own output hidden. Drafts are greedy (argmax)."""
+    one token at a time on the MTP's own output hidden. Drafts are greedy (argmax). whole_prompts: the
+    trunk's; dropping cells keeps seq_lens == num_valid, so it holds for the MTP view too."""
     R, Q = view.token_index.shape
     T = ids.shape[0]
     q_len = view.num_valid
@@ -201,7 +208,7 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
         block_tables=view.block_tables, seq_lens=view.seq_lens - num_rejected, idx_mapping=view.idx_mapping,
         fresh=view.fresh, verify_path=view.verify_path,
     )
-    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl)
+    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl, whole_prompts)
     last_cell = jnp.clip(keep - 1, 0, Q - 1)
     h = jnp.take_along_axis(m, last_cell[:, None, None], 1)  # [R, 1, H]
     pos = jnp.take_along_axis(view.positions, last_cell[:, None], 1)  # [R, 1]
@@ -248,7 +255,7 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
     built with the same model and settings reuse each other's compiled buckets."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded),
-                   donate_argnums=(1, 2), static_argnums=(4, 5, 6))
+                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
 
 
 class ModelRunner:
@@ -264,7 +271,7 @@ class ModelRunner:
         self.cfg = cfg
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
-        self.last_device_args = None  # (host input buffer, layout, stochastic, num_steps) of the last launch
+        self.last_device_args = None  # (host input buffer, layout, stochastic, num_steps, whole_prompts) of the last launch
         # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
         # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
         # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
@@ -287,13 +294,13 @@ class ModelRunner:
         whose work is done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
-        host_buf, layout, stochastic, num_steps = self.last_device_args
+        host_buf, layout, stochastic, num_steps, whole_prompts = self.last_device_args
         fixed = None if fresh_input else jax.device_put(host_buf, self.device)
 
         def run(n):
             for _ in range(n):
                 step_input = jax.device_put(host_buf, self.device) if fresh_input else fixed
-                flat = self._launch(step_input, layout, stochastic, num_steps)
+                flat = self._launch(step_input, layout, stochastic, num_steps, whole_prompts)
             jax.block_until_ready(flat)
 
         run(2)
@@ -301,7 +308,7 @@ class ModelRunner:
         run(iters)
         return (time.perf_counter() - t0) / (iters * num_steps) * 1e3
 
-    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1):
+    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1, whole_prompts: bool = False):
         """Launch the jitted step on a device input (int32[n]) with this size's resident buffer, which
         the step donates and returns; self.state advances. Returns the step's flat result buffer."""
         size = step_input.shape[0]
@@ -311,7 +318,7 @@ class ModelRunner:
         if resident is None:
             resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
         self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
-                                                                   layout, stochastic, num_steps)
+                                                                   layout, stochastic, num_steps, whole_prompts)
         return flat
 
     @property
@@ -322,13 +329,14 @@ class ModelRunner:
         """Copy the step's arrays to the device and launch the jitted step without waiting for it.
         num_steps > 1: that many decode steps in the one launch (see _packed_step)."""
         stochastic = bool(np.any(arrays.temperature > 0))
-        self.shapes_seen.add((*arrays.shape_key, stochastic, num_steps))
+        whole_prompts = arrays.whole_prompts
+        self.shapes_seen.add((*arrays.shape_key, stochastic, num_steps, whole_prompts))
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = jax.device_put(host_buf, self.device)
-        self.last_device_args = host_buf, layout, stochastic, num_steps  # benchmarks replay them
+        self.last_device_args = host_buf, layout, stochastic, num_steps, whole_prompts  # benchmarks replay them
         t1 = time.perf_counter()
-        flat = self._launch(step_input, layout, stochastic, num_steps)
+        flat = self._launch(step_input, layout, stochastic, num_steps, whole_prompts)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
         # instead of starting the copy and waiting for it (not yet timed on the GPU).
         flat.copy_to_host_async()

@@ -90,3 +90,17 @@ def test_startup_bench_warm_run_reuses_the_persistent_cache(tmp_path):
     cold, warm = d["rows"]
     assert d["cache_files"] > 0 and cold["compiled_shapes"] == warm["compiled_shapes"] >= 2
     assert warm["workload_s"] < 0.7 * cold["workload_s"]
+
+
+def test_profile_calls_summarises_a_traced_function():
+    """The probes' timer: a trace of back-to-back calls, summarised per call (host events on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgdn.bench.common import profile_calls
+
+    x = jnp.ones((64, 64))
+    one = profile_calls(jax.jit(lambda x: x @ x), x, iters=4)
+    assert one["busy_us"] > 0 and one["events"] > 0
+    halves = profile_calls(jax.jit(lambda x: x @ x), x, iters=4, divide_by=8)
+    assert halves["events"] < one["events"]  # the same kind of trace, per 8 units instead of per 4 calls

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxgdn.cache import GDNSlots
-from jaxgdn.gdn import causal_conv_silu
+from jaxgdn.gdn import causal_conv_silu, conv_checkpoint_inputs
 from jaxgdn.paged_forward import _read_conv, _write_conv
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 
@@ -37,8 +37,29 @@ def xla_conv_path(x, weight, pool, slots, start, fresh, verify, num_valid):
     view = SimpleNamespace(idx_mapping=slots, fresh=fresh, verify_path=verify)
     gdn_slots = GDNSlots(conv=pool, ssm=None)
     window = _read_conv(gdn_slots, view, start, Kc)
-    u, new_window, full = causal_conv_silu(x[..., :C], window, weight, num_valid)
-    return u, _write_conv(gdn_slots, view, new_window, full[:, 1 : Kc + K] if K else None)
+    u, new_window = causal_conv_silu(x[..., :C], window, weight, num_valid)
+    return u, _write_conv(gdn_slots, view, new_window, conv_checkpoint_inputs(window, x[..., :C], K) if K else None)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 70])
+def test_xla_conv_equals_its_definition_over_the_concatenated_inputs(T):
+    """causal_conv_silu reads [window ‖ mixed] tap by tap without building it; against the definition that
+    builds it: out[t] = silu(sum_j w_j full[t + j]), new window = full[n : n + Kc-1] per row of n real tokens
+    (0, 1, T-1 and T), checkpoint inputs = full[1 : Kc + K]."""
+    r = np.random.default_rng(T)
+    B, C, Kc = 4, 6, 4
+    mixed = jnp.asarray(r.standard_normal((B, T, C)), jnp.float32)
+    window = jnp.asarray(r.standard_normal((B, Kc - 1, C)), jnp.float32)
+    weight = jnp.asarray(r.standard_normal((C, 1, Kc)), jnp.float32)
+    num_valid = jnp.asarray([0, 1, max(T - 1, 0), T], jnp.int32)
+    full = np.concatenate([np.asarray(window), np.asarray(mixed)], axis=1)
+    acc = sum(full[:, j : j + T] * np.asarray(weight)[:, 0, j] for j in range(Kc))
+    u, new_window = jax.jit(causal_conv_silu)(mixed, window, weight, num_valid)
+    np.testing.assert_allclose(np.asarray(u), acc / (1 + np.exp(-acc)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new_window), np.stack([full[b, n : n + Kc - 1]
+                                                                    for b, n in enumerate(np.asarray(num_valid))]))
+    K = min(T - 1, 3)
+    np.testing.assert_array_equal(np.asarray(conv_checkpoint_inputs(window, mixed, K)), full[:, 1 : Kc + K])
 
 
 @pytest.mark.parametrize("T, K", [(1, 0), (3, 2), (4, 3)])

@@ -313,9 +313,9 @@ def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
     eng = engine()
     eng.add_request(prompt(701, 5), GREEDY)
     eng.step()
-    host_buf, layout, stochastic, num_steps = eng.runner.last_device_args
+    host_buf, layout, *static = eng.runner.last_device_args
     hlo = eng.runner._step.lower(eng.runner.params, eng.runner.state, jnp.zeros(host_buf.size + 1, jnp.int32),
-                                 jnp.asarray(host_buf), layout, stochastic, num_steps).compile().as_text()
+                                 jnp.asarray(host_buf), layout, *static).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     (name,) = {line.split("=")[0].strip() for line in entry if "parameter(" in line and "host_input" in line}
     readers = [line for line in entry if name in line.split("=", 1)[-1]]
@@ -340,3 +340,24 @@ def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
     assert len(set(sizes)) >= 2
     assert [eng.requests[r].output_token_ids for r in rids] == [reference(p, GREEDY.max_tokens),
                                                                 reference(q, GREEDY.max_tokens)]
+
+
+def test_steps_of_whole_prompts_are_flagged_and_match_the_reference():
+    """The host flags a step whose rows all start at position 0 in a bucket of >= 64 cells
+    (StepArrays.whole_prompts: attention then reads the step's own K/V); a step with a decode row or a
+    later chunk is not flagged. Tokens equal the reference either way."""
+    from jaxgdn.input_batch import WHOLE_PROMPT_MIN_QUERIES
+
+    eng = engine(max_num_batched_tokens=512)
+    seen = []
+    dispatch = eng.runner.dispatch
+    eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
+    prompts = [prompt(800 + i, n) for i, n in enumerate((70, 100, 90))]
+    rids = [eng.add_request(p, GREEDY) for p in prompts[:2]]
+    eng.step()  # two whole prompts
+    rids.append(eng.add_request(prompts[2], GREEDY))
+    while eng.has_unfinished:
+        eng.step()  # the third prompt beside two decode rows
+    flags = [(a.token_index.shape[1] >= WHOLE_PROMPT_MIN_QUERIES, a.whole_prompts) for a in seen]
+    assert flags[0] == (True, True) and flags[1] == (True, False)
+    assert [eng.output(r).token_ids for r in rids] == [reference(p, 5) for p in prompts]

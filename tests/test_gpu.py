@@ -106,6 +106,33 @@ def test_paged_attention_kernel_compiled_on_a_whole_prompt_equals_reference():
     assert float(jnp.abs(out - ref).max()) <= 3e-2 * max(1.0, float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("dtype, D", [("bfloat16", 256), ("bfloat16", 32), ("float32", 32)])
+def test_whole_prompt_attention_compiled_equals_reference(dtype, D):
+    """`fresh_prompt_attention` (a prefill step of whole prompts) on two rows, one padded: cuDNN's flash
+    kernel where it takes the shape (bf16; the compiled program must hold its call, no silent fallback),
+    XLA's dense form otherwise (fp32), both against the fp32 reference."""
+    import jax.numpy as jnp
+
+    from jaxgdn.attention import fresh_prompt_attention, gqa_attention
+
+    R, Q, Hq, Hkv = 2, 300, 8, 2
+    keys = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = jax.random.normal(keys[0], (R, Q, Hq, D), dtype)
+    k, v = (jax.random.normal(kk, (R, Q, Hkv, D), dtype) for kk in keys[1:])
+    num_valid = jnp.array([Q, 170], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (R, Q))
+    valid = pos < num_valid[:, None]
+    f = jax.jit(fresh_prompt_attention)
+    uses_cudnn = "cudnn" in f.lower(q, k, v, num_valid, pos, valid).compile().as_text().lower()
+    assert uses_cudnn == (dtype == "bfloat16")
+    with jax.default_matmul_precision("highest"):
+        ref = gqa_attention(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, valid)
+    out = f(q, k, v, num_valid, pos, valid).astype(jnp.float32)
+    err = jnp.abs(jnp.where(valid[..., None, None], out - ref, 0)).max()
+    assert float(err) <= (3e-2 if dtype == "bfloat16" else 1e-4) * max(1.0, float(jnp.abs(ref).max()))
+    assert not jnp.any(jnp.where(valid[..., None, None], 0, out))  # padding cells are zeros
+
+
 def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     """The GPU default runs 4 decode steps per launch (pool kernel, command buffers with a loop): greedy
     outputs equal plain greedy decoding, sampled ones those of one step per launch."""

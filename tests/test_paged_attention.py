@@ -136,3 +136,49 @@ def test_kv_write_kernel_lowers_to_triton_without_a_gpu():
     fn = lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v, interpret=False)  # noqa: E731
     text = jax.jit(fn).trace(k_pool, v_pool, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+def _whole_prompt_step(Q=64, ps=16, MP=8, seed=3):
+    """One attention layer's inputs for two rows of whole prompts (positions from 0) in Q cells, the second
+    with 14 padding cells; pools of noise with a NaN null page."""
+    from helpers import small_config
+    from jaxgdn.cache import PagedKV
+    from jaxgdn.params import init_random_params
+    from jaxgdn.paged_forward import RowView
+
+    cfg = small_config()
+    p = init_random_params(cfg, seed=seed).layers[cfg.layer_types.index("full_attention")].mixer
+    r = np.random.default_rng(seed)
+    R, n_new = 2, np.array([Q, Q - 14])
+    P, Hkv, D = R * MP + 1, cfg.num_key_value_heads, cfg.head_dim
+    pool = lambda: jnp.asarray(r.standard_normal((P, ps, Hkv, D)), jnp.float32).at[0].set(jnp.nan)  # noqa: E731
+    block_tables = 1 + np.arange(R * MP, dtype=np.int32).reshape(R, MP)
+    block_tables[np.arange(MP)[None, :] >= -(-n_new[:, None] // ps)] = 0  # pages past a row's end: the null page
+    j = np.arange(Q)[None, :]
+    valid = j < n_new[:, None]
+    positions = np.where(valid, j, 0).astype(np.int32)
+    page = np.take_along_axis(block_tables, positions // ps, axis=1)
+    view = RowView(token_index=jnp.asarray(np.where(valid, np.arange(R * Q).reshape(R, Q), -1), jnp.int32),
+                   positions=jnp.asarray(positions), kv_slots=jnp.asarray(np.where(valid, page * ps + positions % ps, 0)),
+                   block_tables=jnp.asarray(block_tables), seq_lens=jnp.asarray(n_new, jnp.int32),
+                   idx_mapping=jnp.arange(1, R + 1, dtype=jnp.int32), fresh=jnp.ones(R, bool),
+                   verify_path=jnp.zeros(R, bool))
+    h = jnp.asarray(r.standard_normal((R, Q, cfg.hidden_size)), jnp.float32)
+    return p, cfg, h, view, PagedKV(k=pool(), v=pool()), valid
+
+
+def test_whole_prompt_attention_reads_the_steps_own_keys_like_the_pages():
+    """whole_prompts=True (the host's promise that every row starts at position 0) attends to the step's
+    own K/V (cuDNN's flash kernel on a GPU, the same XLA form here): it must equal reading the pages, the
+    NaN-filled null page and unwritten slots included; breaking it must show in the output."""
+    from jaxgdn import paged_forward
+
+    p, cfg, h, view, kv, valid = _whole_prompt_step()
+    run = lambda whole: np.asarray(jax.jit(  # noqa: E731
+        lambda h, kv: paged_forward.paged_attention(p, cfg, h, view, kv, whole_prompts=whole)[0])(h, kv))[valid]
+    own, paged = run(True), run(False)
+    assert np.isfinite(own).all()
+    np.testing.assert_allclose(own, paged, rtol=1e-5, atol=1e-5)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(paged_forward, "fresh_prompt_attention", lambda q, *_: jnp.zeros_like(q))
+        assert not np.allclose(run(True), paged, rtol=1e-5, atol=1e-5)

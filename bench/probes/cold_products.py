@@ -13,15 +13,13 @@ cuBLAS), `pallas_<BN>x<BK>w<warps>s<stages>k<split>` (us, relative error) `gemv.
 import functools
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 from gemv import pallas_gemv  # bench/probes is sys.path[0] when this runs as a script
-from jaxgdn.bench.common import environment, profile_summary
+from jaxgdn.bench.common import environment, profile_calls
 
 f32 = jnp.float32
 COPIES = 16
@@ -45,15 +43,7 @@ def cold_us(product, x, ws, iters=10):
             ys.append(y)
         return ys
 
-    f = jax.jit(chain)
-    jax.block_until_ready(f(x, ws))
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(iters):
-            y = f(x, ws)
-        jax.block_until_ready(y)
-    summary = profile_summary(trace_dir, divide_by=iters * len(ws))
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    summary = profile_calls(jax.jit(chain), x, ws, iters=iters, divide_by=iters * len(ws))
     return round(summary["busy_us"], 3), summary["top"][:3]
 
 

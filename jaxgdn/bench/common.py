@@ -159,3 +159,23 @@ def profile_summary(trace_dir: str, divide_by: int = 1, top: int = 40, host_top:
         summary["host"] = [[name, us / divide_by, host_counts[name] / divide_by]
                            for name, us in host.most_common(host_top)]
     return summary
+
+
+def profile_calls(fn, *args, iters: int = 10, divide_by: int | None = None) -> dict:
+    """`profile_summary` of `iters` back-to-back calls of the jitted `fn(*args)` after one untimed call
+    (compile, warm-up): device busy time and top kernels per call (or per `divide_by` units)."""
+    import shutil
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp()
+    try:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        return profile_summary(trace_dir, divide_by=divide_by or iters)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)

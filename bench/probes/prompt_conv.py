@@ -1,0 +1,112 @@
+"""Probe: the GDN layer's causal conv + SiLU over one long prompt, in XLA formulations, as the engine runs it:
+the pre-conv channels are the first C of the fused input projection's product [T, N] (a strided read), the
+outputs the three q, k, v pieces the chunked kernels take.
+
+    python bench/probes/prompt_conv.py OUT.json      # on the H200 (PYTHONPATH=.:tests); CPU: correctness only
+
+Columns (device ms per call from a profiler trace; max |error| against `concat`):
+  concat    the definition: [window ‖ mixed] built, then Kc shifted slices of it;
+  taps      each tap concatenates its window rows and shifted mixed rows (`gdn.causal_conv_silu` before
+            this probe);
+  padded    taps read a zero-padded mixed; the window's contribution is a [Kc-1, C] correction added to the
+            first rows (`gdn.causal_conv_silu` since);
+  lax_conv  XLA's depthwise `conv_general_dilated` over the zero-padded mixed, the same correction.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxgdn.bench.common import environment, profile_calls
+
+f32 = jnp.float32
+T_LONG, C, N, KC = 8192, 6144, 8224, 4
+
+
+def device_ms(f, *args):
+    summary = profile_calls(f, *args)
+    return round(summary["busy_us"] / 1e3, 4), summary["top"][:3]
+
+
+def split3(u):
+    return u[..., : C // 3], u[..., C // 3 : 2 * C // 3], u[..., 2 * C // 3 :]
+
+
+def window_correction(window, w, T):
+    """[1, T, C] fp32: the window's taps on the first Kc-1 outputs, zeros after."""
+    corr = sum(jnp.pad(window[:, j:].astype(f32), [(0, 0), (0, j), (0, 0)]) * w[:, j] for j in range(KC - 1))
+    return jnp.pad(corr, [(0, 0), (0, T - (KC - 1)), (0, 0)])
+
+
+def forms(weight):
+    w = weight[:, 0, :].astype(f32)  # [C, Kc]
+
+    def concat(src, window):
+        mixed = src[None, :, :C]
+        T = mixed.shape[1]
+        full = jnp.concatenate([window, mixed], axis=1)
+        acc = sum(full[:, j : j + T].astype(f32) * w[:, j] for j in range(KC))
+        return split3(jax.nn.silu(acc).astype(src.dtype))
+
+    def taps(src, window):
+        mixed = src[None, :, :C]
+        T = mixed.shape[1]
+
+        def tap(j):  # full[:, j : j + T]
+            back = KC - 1 - j
+            return jnp.concatenate(([window[:, j:]] if back else []) + [mixed[:, : T - back]], axis=1)
+
+        return split3(jax.nn.silu(sum(tap(j).astype(f32) * w[:, j] for j in range(KC))).astype(src.dtype))
+
+    def padded(src, window):
+        mixed = src[None, :, :C]
+        T = mixed.shape[1]
+        xp = jnp.pad(mixed, [(0, 0), (KC - 1, 0), (0, 0)])
+        acc = sum(xp[:, j : j + T].astype(f32) * w[:, j] for j in range(KC)) + window_correction(window, w, T)
+        return split3(jax.nn.silu(acc).astype(src.dtype))
+
+    def lax_conv(src, window):
+        mixed = src[None, :, :C]
+        T = mixed.shape[1]
+        rhs = weight.astype(mixed.dtype).transpose(2, 1, 0)  # [Kc, 1, C]: width, in/group, out
+        acc = jax.lax.conv_general_dilated(mixed, rhs, (1,), [(KC - 1, 0)], dimension_numbers=("NWC", "WIO", "NWC"),
+                                           feature_group_count=C, preferred_element_type=f32)
+        acc = acc + window_correction(window, w, T)
+        return split3(jax.nn.silu(acc).astype(src.dtype))
+
+    return {"concat": concat, "taps": taps, "padded": padded, "lax_conv": lax_conv}
+
+
+def main(out_path=None):
+    on_gpu = jax.default_backend() == "gpu"
+    T = T_LONG if on_gpu else 40
+    key = jax.random.PRNGKey(0)
+    src = jax.random.normal(key, (T, N), jnp.bfloat16)
+    window = jax.random.normal(jax.random.fold_in(key, 1), (1, KC - 1, C), jnp.bfloat16)
+    weight = jax.random.normal(jax.random.fold_in(key, 2), (C, 1, KC), f32) * 0.5
+    fs = forms(weight)
+    ref = [x.astype(f32) for x in jax.jit(fs["concat"])(src, window)]
+    gb = (T * C * 2 * 2) / 1e9  # read the C channels once, write q, k, v once (bf16)
+    rows = []
+    for name, f in fs.items():
+        row = {"form": name}
+        try:
+            got = jax.jit(f)(src, window)
+            row["error"] = max(float(jnp.abs(g.astype(f32) - r).max()) for g, r in zip(got, ref))
+            if on_gpu:
+                row["ms"], row["top"] = device_ms(jax.jit(f), src, window)
+                row["TB_per_s"] = round(gb / row["ms"], 2)
+        except Exception as e:  # noqa: BLE001 - a form that does not compile is a result too
+            row["failed"] = repr(e)[:300]
+        print({k: v for k, v in row.items() if k != "top"}, flush=True)
+        rows.append(row)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"benchmark": "prompt-conv-probe", "T": T, "C": C, "source_width": N, "rows": rows,
+                       "env": environment()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
