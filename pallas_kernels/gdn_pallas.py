@@ -282,8 +282,12 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, sc
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       num_warps: int = 4):
-    """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32)."""
+                       num_warps: int = 4, warps: tuple[int | None, int | None, int | None] = (None, None, None),
+                       block_v_out: int | None = None):
+    """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
+    Tuning (bench/probes/gdn_chunk_configs.py): block_v, block_v_out the dv tiles of the scan and output
+    kernels; warps per (prep, scan, output) kernel, None for num_warps."""
+    prep_warps, scan_warps, out_warps = (w or num_warps for w in warps)
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
     q, k, v, s0 = _pad_heads(q, k, v, initial_state)
@@ -303,18 +307,21 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         functools.partial(_prep_kernel, group=group, dtype=dtype),
         out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv, dkp), dtype),
                    sds((B, Tp, Hv), f32)),
-        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(num_warps),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
     h_enter, v_new, sT = pl.pallas_call(
         functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(num_warps, num_stages=2),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
     )(w, u, kd, gam, s0)
-    BVO = min(dvp, 64)
+    # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
+    # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
+    # (bench/results/gdn-chunk-configs-probe_gpu_20261201.json).
+    BVO = min(dvp, block_v_out or (128 if B * Hv * N >= 1024 else 64))
     o = pl.pallas_call(
         functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype),
         out_shape=sds((B, Tp, Hv, dvp), f32),
-        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(num_warps),
+        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
     )(q, k, gam, h_enter, v_new)
     return o[:, :T, :, :dv], sT[:, :, :dk, :dv]

@@ -42,6 +42,16 @@ def test_chunked_kernel_equals_scan(T):
     assert max_err(o1[0], o[1]) <= 1e-6 and max_err(s1[0], s[1]) <= 1e-6
 
 
+@pytest.mark.parametrize("block_v, block_v_out, warps", [(None, None, (None, None, None)), (32, 128, (2, 8, 4)),
+                                                          (128, 32, (8, 2, 8))])
+def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out, warps):
+    """dv = 128 as in the 0.8B: scan and output kernels split it into other tiles (the probe's settings)."""
+    q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=1, Hv=2, dk=32, dv=128, seed=7)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, block_v_out=block_v_out, warps=warps)
+    assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+
 def test_chunked_kernel_strong_decay_is_finite():
     q, k, v, g, beta, s0 = random_inputs(T=128, decay=(5.0, 30.0), seed=3)
     o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
