@@ -43,8 +43,8 @@ def xla_conv_path(x, weight, pool, slots, start, fresh, verify, num_valid):
 
 @pytest.mark.parametrize("T", [1, 2, 3, 70])
 def test_xla_conv_equals_its_definition_over_the_concatenated_inputs(T):
-    """causal_conv_silu reads [window ‖ mixed] tap by tap without building it; against the definition that
-    builds it: out[t] = silu(sum_j w_j full[t + j]), new window = full[n : n + Kc-1] per row of n real tokens
+    """causal_conv_silu never builds [window ‖ mixed] (zero-padded mixed plus the window's taps); against
+    the definition that builds it: out[t] = silu(sum_j w_j full[t + j]), new window = full[n : n + Kc-1] per row of n real tokens
     (0, 1, T-1 and T), checkpoint inputs = full[1 : Kc + K]."""
     r = np.random.default_rng(T)
     B, C, Kc = 4, 6, 4

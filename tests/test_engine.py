@@ -344,8 +344,8 @@ def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
 
 def test_steps_of_whole_prompts_are_flagged_and_match_the_reference():
     """The host flags a step whose rows all start at position 0 in a bucket of >= 64 cells
-    (StepArrays.whole_prompts: attention then reads the step's own K/V); a step with a decode row or a
-    later chunk is not flagged. Tokens equal the reference either way."""
+    (StepArrays.whole_prompts: attention then reads the step's own K/V); the next step, a new prompt
+    beside two decode rows, is not flagged. Tokens equal the reference either way."""
     from jaxgdn.input_batch import WHOLE_PROMPT_MIN_QUERIES
 
     eng = engine(max_num_batched_tokens=512)
