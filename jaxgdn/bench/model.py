@@ -250,18 +250,21 @@ def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> 
     return statistics.median(times[2:]) * 1e3
 
 
-def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 3) -> float:
+def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 7, warmup: int = 2) -> float:
+    """Median ms of transformers' prefill forward (logits of the last token), after `warmup` untimed
+    calls (fla autotunes its kernels for a new shape on the first). Three timed calls read 46-72 ms at
+    1x2048 across calls of the same day (prefill-r9-*), hence more of them."""
     _ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
     import torch
 
     ids = torch.randint(0, vocab, (batch, length), device="cuda")
     runs = []
     with torch.no_grad():
-        for i in range(repeats + 1):
+        for i in range(warmup + repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.argmax(-1).cpu()
-            if i:
+            if i >= warmup:
                 runs.append(time.perf_counter() - t0)
     return statistics.median(runs) * 1e3
 
