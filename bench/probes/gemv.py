@@ -15,15 +15,13 @@ blocks and K split over `split` programs (partial sums added after)."""
 import functools
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxgdn.bench.common import profile_summary
+from jaxgdn.bench.common import profile_calls
 from pallas_kernels.common import triton_params
 
 f32 = jnp.float32
@@ -59,16 +57,7 @@ def pallas_gemv(x, w, BN, BK, warps, stages, split=1, interpret=False):
 
 def device_us(fn, *args, iters=50):
     """Device microseconds per call of jit(fn)(*args), from a profiler trace of `iters` calls."""
-    f = jax.jit(fn)
-    f(*args).block_until_ready()
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(iters):
-            y = f(*args)
-        y.block_until_ready()
-    summary = profile_summary(trace_dir, divide_by=iters)
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    return summary["busy_us"]
+    return profile_calls(jax.jit(fn), *args, iters=iters)["busy_us"]
 
 
 def normed_product(x, w):
