@@ -48,6 +48,9 @@ def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
         assert d["rows"][0]["device_ms_per_step_fixed_input"] > 0
         # two decode steps per launch: fewer launches than steps, per-step time divides launches
         assert d["rows"][0]["decode_steps_per_launch"] == 2 and d["rows"][0]["launches"] < d["rows"][0]["steps"]
+    else:  # the step's wall time split: host phases of the timed steps and the replayed device step
+        assert {"schedule", "build", "transfer", "dispatch", "wait"} <= set(d["rows"][0]["host_phase_ms"])
+        assert 0 < d["rows"][0]["device_ms"]
     assert len(d["rows"]) == 2 and d["weight_bytes"] > 0
     for r in d["rows"]:
         assert r["tokens_per_s"] > 0 and r.get("roofline_ms", r.get("flop_floor_ms")) > 0

@@ -15,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxgdn.bench.common import environment, profile_calls
+from jaxgdn.bench.common import environment, probe_row, profile_calls, random_gdn_inputs
 from pallas_kernels.gdn_pallas import gdn_chunked_pallas
 
 PREP_WARPS = (4, 2, 8)
@@ -31,10 +31,7 @@ def kernel_us(f, *args):
 def main(out_path=None):
     on_gpu = jax.default_backend() == "gpu"
     B, T, H, d = (1, 8192, 16, 128) if on_gpu else (1, 128, 2, 16)
-    key = jax.random.split(jax.random.PRNGKey(0), 5)
-    q, k, v = (jax.random.normal(kk, (B, T, H, d), jnp.bfloat16) for kk in key[:3])
-    g = -jax.nn.softplus(jax.random.normal(key[3], (B, T, H), jnp.float32))
-    beta = jax.nn.sigmoid(jax.random.normal(key[4], (B, T, H), jnp.float32))
+    q, k, v, g, beta = random_gdn_inputs(B, T, H, d)
     ref, _ = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta)
     rows = []
     n = len(SCAN) if on_gpu else 2
@@ -42,17 +39,13 @@ def main(out_path=None):
         if i >= n:
             break
         bv, bvo = min(bv, d), min(bvo, d)
-        row = {"prep_warps": pw, "scan": [bv, sw], "output": [bvo, ow]}
         f = jax.jit(lambda *a, bv=bv, bvo=bvo, w=(pw, sw, ow): gdn_chunked_pallas(*a, block_v=bv, block_v_out=bvo, warps=w))
-        try:
+
+        def measure(f=f):
             o, _ = f(q, k, v, g, beta)
-            row["error"] = float(jnp.abs(o - ref).max())
-            if on_gpu:
-                row["us"] = kernel_us(f, q, k, v, g, beta)
-        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result too
-            row["failed"] = repr(e)[:300]
-        print(row, flush=True)
-        rows.append(row)
+            return {"error": float(jnp.abs(o - ref).max()), **({"us": kernel_us(f, q, k, v, g, beta)} if on_gpu else {})}
+
+        rows.append(probe_row({"prep_warps": pw, "scan": [bv, sw], "output": [bvo, ow]}, measure))
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"benchmark": "gdn-chunk-configs-probe", "shape": [B, T, H, d], "rows": rows,

@@ -179,3 +179,27 @@ def profile_calls(fn, *args, iters: int = 10, divide_by: int | None = None) -> d
         return profile_summary(trace_dir, divide_by=divide_by or iters)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def probe_row(row: dict, measure, quiet: tuple[str, ...] = ()) -> dict:
+    """A probe's row for one form or setting: `row` updated with measure()'s dict, or with the error as
+    row["failed"] when the form does not compile (a result too); printed without the `quiet` keys, and
+    returned."""
+    try:
+        row.update(measure())
+    except Exception as e:  # noqa: BLE001
+        row["failed"] = repr(e)[:300]
+    print({k: v for k, v in row.items() if k not in quiet}, flush=True)
+    return row
+
+
+def random_gdn_inputs(B: int, T: int, H: int, d: int, seed: int = 0):
+    """q, k, v [B, T, H, d] bf16 and g (log decay <= 0), beta [B, T, H] fp32, for kernel probes."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q, k, v = (jax.random.normal(kk, (B, T, H, d), jnp.bfloat16) for kk in key[:3])
+    g = -jax.nn.softplus(jax.random.normal(key[3], (B, T, H), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(key[4], (B, T, H), jnp.float32))
+    return q, k, v, g, beta

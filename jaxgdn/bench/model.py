@@ -11,6 +11,7 @@ prefill: wall time of the engine step that runs whole prompts (B x L in one step
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import statistics
@@ -189,10 +190,13 @@ def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
     return profile_summary(profile_dir, divide_by=iters + 2)  # time_device_step replays twice to warm up
 
 
-def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gdn_impl: str = "auto",
-                      attention_impl: str = "xla", profile_dir: str | None = None) -> tuple[float, dict | None]:
-    """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens, and with
-    profile_dir the kernels of that step replayed (None without)."""
+def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gdn_impl: str = "auto",
+                      attention_impl: str = "xla", profile_dir: str | None = None) -> tuple[float, dict, dict | None]:
+    """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
+    that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
+    replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with profile_dir the kernels of that step replayed (None
+    without). Seven timed steps: three read 33.8 and 34.2 ms at 1x8192 for kernels that had got faster
+    (prefill-r10-kernels), host time moving by 1.4 ms."""
     from ..request import SamplingParams
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
@@ -200,10 +204,12 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gd
                       gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    runs = []
+    runs, phases = [], collections.defaultdict(list)
     for i in range(repeats + 1):  # the first run compiles
         for _ in range(batch):
             eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, length)], sp)
+        eng.timings.clear()
+        eng.runner.timings.clear()
         t0 = time.perf_counter()
         steps = 0
         while eng.has_unfinished:
@@ -212,8 +218,14 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 3, gd
         assert steps == 1, f"prefill of {batch}x{length} took {steps} steps"
         if i:
             runs.append(time.perf_counter() - t0)
+            for name, seconds in {**eng.timings, **eng.runner.timings}.items():
+                phases[name].append(seconds)
+    split = {"host_phase_ms": {name: round(statistics.median(v) * 1e3, 3) for name, v in phases.items()},
+             "device_ms": eng.runner.time_device_step(iters=5),
+             # the same with one input buffer for every call: no graph node changes address between calls
+             "device_ms_fixed_input": eng.runner.time_device_step(iters=5, fresh_input=False)}
     profile = profile_replayed_steps(eng, profile_dir, iters=2) if profile_dir else None
-    return statistics.median(runs) * 1e3, profile
+    return statistics.median(runs) * 1e3, split, profile
 
 
 # ----------------------------------------------------------------------------- transformers peer
@@ -375,11 +387,11 @@ def bench_prefill(args) -> dict:
     rows = []
     for batch, length in args.shapes:
         profile = os.path.join(args.profile, f"{batch}x{length}") if args.profile else None
-        ms, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
-                                        attention_impl=args.attention_impl, profile_dir=profile)
+        ms, split, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
+                                               attention_impl=args.attention_impl, profile_dir=profile)
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
-               "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3}
+               "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3, **split}
         if kernels:
             row["profile_per_step"] = kernels
         row["over_floor"] = ms / row["flop_floor_ms"]
@@ -387,7 +399,7 @@ def bench_prefill(args) -> dict:
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
         peer = _peer(row, "transformers_ms", ms, measure,
                      lambda: args.save_partial(_prefill_payload(args, sizes, tflops, rows)))
-        print(f"prefill {batch}x{length}: {ms:.2f} ms  {row['tokens_per_s']:10.0f} tok/s  FLOP floor "
+        print(f"prefill {batch}x{length}: {ms:.2f} ms (device {row['device_ms']:.2f})  {row['tokens_per_s']:10.0f} tok/s  FLOP floor "
               f"{row['flop_floor_ms']:.2f} ms ({row['over_floor']:.1f}x){peer}", flush=True)
     return _prefill_payload(args, sizes, tflops, rows)
 
