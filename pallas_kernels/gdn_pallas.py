@@ -37,6 +37,7 @@ from .common import interpret_default, triton_params
 
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
+PREFETCH_MAX_PROGRAMS = 128  # the scan prefetches its next chunk up to this many programs (one per SM or fewer)
 f32 = jnp.float32
 
 
@@ -203,32 +204,36 @@ def _unit_lower_inverse(a):
 
 
 def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
-    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk."""
+    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk.
+
+    Keys and values stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the
+    decays are per-row scales folded into the [SUB, SUB] tiles: A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ)
+    with n the inverse key norms, U_i = Σ_j (T_ij β_j) V_j, W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j. So no
+    [CHUNK, dk] fp32 copies are live across the kernel: r9 held three of them and took 250 µs a layer at
+    8192 tokens (bench/results/gdn-prep-probe_gpu_20261201.json)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     nsub = CHUNK // SUB
-    ks, kb, vb, gam = [], [], [], []
+    rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
+    ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
+    inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
+    betas = [beta_ref[b, r, h] for r in rows]
+    gam = []
     offset = jnp.zeros((), f32)
-    for i in range(nsub):
-        rows = pl.ds(c * CHUNK + i * SUB, SUB)
-        k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
-        beta = beta_ref[b, rows, h]
-        g = g_ref[b, rows, h]
-        gi = jnp.cumsum(g) + offset
+    for r in rows:
+        g = g_ref[b, r, h]
+        gam.append(jnp.cumsum(g) + offset)
         offset = offset + jnp.sum(g)
-        gam_ref[b, rows, h] = gi
-        ks.append(k)
-        kb.append(k * beta[:, None])
-        vb.append(v_ref[b, rows, h, :].astype(f32) * beta[:, None])
-        gam.append(gi)
-    r = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    cc = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        gam_ref[b, r, h] = gam[-1]
+    ri = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
     def a_block(i, j):  # rows of sub-block i, columns of sub-block j (i >= j)
         diff = gam[i][:, None] - gam[j][None, :]
         if i == j:
-            diff = jnp.where(r > cc, diff, -jnp.inf)  # mask before exp: strict lower only
-        return _dot(kb[i], ks[j].T, dtype) * jnp.exp(diff)
+            diff = jnp.where(ri > ci, diff, -jnp.inf)  # mask before exp: strict lower only
+        scale = (betas[i] * inv_norm[i])[:, None] * inv_norm[j][None, :]
+        return _dot(ks[i], ks[j].T, dtype) * scale * jnp.exp(diff)
 
     A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i + 1)}
     inv = {}
@@ -238,31 +243,46 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
             # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
             acc = sum(_dot(A[i, m], inv[m, j], f32) for m in range(j, i))
             inv[i, j] = -_dot(inv[i, i], acc, f32)
+    w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
-        rows = pl.ds(c * CHUNK + i * SUB, SUB)
-        u = sum(_dot(inv[i, j], vb[j], dtype) for j in range(i + 1))
-        w = sum(_dot(inv[i, j], kb[j] * jnp.exp(gam[j])[:, None], dtype) for j in range(i + 1))
-        u_ref[b, rows, h, :] = u.astype(u_ref.dtype)
-        w_ref[b, rows, h, :] = w.astype(w_ref.dtype)
-        kd_ref[b, rows, h, :] = (ks[i] * jnp.exp(offset - gam[i])[:, None]).astype(kd_ref.dtype)  # offset = γ_last
+        u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
+        w = sum(_dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
+        u_ref[b, rows[i], h, :] = u.astype(u_ref.dtype)
+        w_ref[b, rows[i], h, :] = w.astype(w_ref.dtype)
+        kd = ks[i].astype(f32) * (inv_norm[i] * jnp.exp(offset - gam[i]))[:, None]  # offset = γ_last
+        kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
 
 
-def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype):
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
-    state and V' for the parallel output kernel."""
+    state and V' for the parallel output kernel.
+
+    prefetch: chunk n+1's W, U, Kd and decay are loaded while chunk n computes (carried through the
+    loop), so the loads leave the serial chain. It pays when a program has its SM to itself, and costs
+    occupancy when two share one: 0.8B, one row of 8192 tokens (dv tile 16, 128 programs) 191 µs against
+    228; eight rows of 1024 (dv tile 64, 256 programs) 90 against 65
+    (bench/results/gdn-prep-probe-2_gpu_20261201.json)."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(iv * BV, BV)
 
-    def chunk(n, S):
+    def load(n):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        return (w_ref[b, rows, h, :], u_ref[b, rows, h, cols], kd_ref[b, rows, h, :],
+                gam_ref[b, n * CHUNK + CHUNK - 1, h])
+
+    def chunk(n, carry):
+        S, loaded = carry
+        ahead = load(jnp.minimum(n + 1, N - 1)) if prefetch else None
+        w, u, kd, g_last = loaded if prefetch else load(n)
         rows = pl.ds(n * CHUNK, CHUNK)
         h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
-        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
+        v_new = u.astype(f32) - _dot(w, S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
-        return S * jnp.exp(g_last) + _dot(kd_ref[b, rows, h, :].T, v_new, dtype)
+        return S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype), ahead
 
-    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
+    S0 = s0_ref[b, h, :, cols].astype(f32)
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, scale, dtype):
@@ -282,12 +302,13 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, sc
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       num_warps: int = 4, warps: tuple[int | None, int | None, int | None] = (None, None, None),
-                       block_v_out: int | None = None):
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
-    Tuning (bench/probes/gdn_chunk_configs.py): block_v, block_v_out the dv tiles of the scan and output
-    kernels; warps per (prep, scan, output) kernel, None for num_warps."""
-    prep_warps, scan_warps, out_warps = (w or num_warps for w in warps)
+    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
+    and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
+    165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
+    (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    prep_warps, scan_warps, out_warps = warps
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
     q, k, v, s0 = _pad_heads(q, k, v, initial_state)
@@ -310,8 +331,9 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
+    scan_programs = B * Hv * (dvp // BV)
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
     )(w, u, kd, gam, s0)

@@ -42,7 +42,7 @@ def test_chunked_kernel_equals_scan(T):
     assert max_err(o1[0], o[1]) <= 1e-6 and max_err(s1[0], s[1]) <= 1e-6
 
 
-@pytest.mark.parametrize("block_v, block_v_out, warps", [(None, None, (None, None, None)), (32, 128, (2, 8, 4)),
+@pytest.mark.parametrize("block_v, block_v_out, warps", [(None, None, (2, 4, 4)), (32, 128, (2, 8, 4)),
                                                           (128, 32, (8, 2, 8))])
 def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out, warps):
     """dv = 128 as in the 0.8B: scan and output kernels split it into other tiles (the probe's settings)."""
@@ -50,6 +50,18 @@ def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
     o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, block_v_out=block_v_out, warps=warps)
     assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+
+def test_chunked_kernel_scan_with_and_without_prefetch_equals_scan(monkeypatch):
+    """The scan kernel prefetches the next chunk only on grids of few programs: both forms, forced."""
+    import pallas_kernels.gdn_pallas as gp
+
+    q, k, v, g, beta, s0 = random_inputs(B=2, T=200, Hk=1, Hv=2, dk=32, dv=32, seed=3)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    for limit in (0, 10**6):
+        monkeypatch.setattr(gp, "PREFETCH_MAX_PROGRAMS", limit)
+        o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
+        assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5, limit
 
 
 def test_chunked_kernel_strong_decay_is_finite():
