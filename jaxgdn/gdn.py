@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints
+from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
+from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints, use_prompt_conv_kernel
 
 from .config import ModelConfig
 from .mlp import linear, project, split_outputs
@@ -34,13 +35,21 @@ def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
     window_taps = sum(jnp.pad(upcast(window[:, j:]), [(0, 0), (0, j), (0, 0)]) * w[:, j] for j in range(Kc - 1))
     window_taps = jnp.pad(window_taps, [(0, 0), (0, max(T - (Kc - 1), 0)), (0, 0)])[:, :T]
     acc = sum(upcast(padded[:, j : j + T]) * w[:, j] for j in range(Kc)) + window_taps
-    # The new window is full[n : n + Kc-1] of each row (n real tokens): the end of the window and/or mixed.
-    n = jnp.full(mixed.shape[:1], T, jnp.int32) if num_valid is None else num_valid
-    at = n[:, None] + jnp.arange(Kc - 1)  # [B, Kc-1] indices into full
-    from_mixed = jnp.take_along_axis(mixed, jnp.clip(at - (Kc - 1), 0, T - 1)[..., None], axis=1)
-    from_window = jnp.take_along_axis(window, jnp.clip(at, 0, Kc - 2)[..., None], axis=1)
-    new_window = jnp.where((at < Kc - 1)[..., None], from_window, from_mixed)
-    return jax.nn.silu(acc).astype(mixed.dtype), new_window
+    return jax.nn.silu(acc).astype(mixed.dtype), conv_window_after(window, mixed, num_valid)
+
+
+def conv_window_after(window, mixed, num_valid=None):
+    """The conv window after a step: full[n : n + Kc-1] of full = [window ‖ mixed] for each row with n
+    real tokens (the end of the window and/or of mixed), by two small gathers. window [B, Kc-1, C];
+    mixed [B, T, C]; num_valid [B] or None (all T). Returns [B, Kc-1, C] in mixed.dtype."""
+    B, T = mixed.shape[:2]
+    Km1 = window.shape[1]
+    window = window.astype(mixed.dtype)
+    n = jnp.full((B,), T, jnp.int32) if num_valid is None else num_valid
+    at = n[:, None] + jnp.arange(Km1)  # [B, Kc-1] indices into full
+    from_mixed = jnp.take_along_axis(mixed, jnp.clip(at - Km1, 0, T - 1)[..., None], axis=1)
+    from_window = jnp.take_along_axis(window, jnp.clip(at, 0, Km1 - 1)[..., None], axis=1)
+    return jnp.where((at < Km1)[..., None], from_window, from_mixed)
 
 
 def conv_checkpoint_inputs(window, mixed, spec_window: int):
@@ -88,12 +97,22 @@ def split_qkv(cfg: ModelConfig, u):
     return q, k, v
 
 
-def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None):
+def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto"):
     """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
     [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
+    impl: the GDN implementation; where it runs the Pallas kernels on long rows, so does the conv
+    (`causal_conv_prompt`, written straight into q, k and v).
     Returns (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv] fp32, z [B,T,Hv,dv], new window, mixed
     [B, T, C] the pre-conv inputs)."""
-    _, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
+    source, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
+    B, T, _ = x.shape
+    widths = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
+    if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, cfg.linear_conv_kernel_dim):
+        q, k, v = causal_conv_prompt(source, widths, p.conv1d, conv_window)
+        heads = lambda a, h: a.reshape(B, T, h, -1)  # noqa: E731
+        q, k = heads(q, cfg.linear_num_key_heads), heads(k, cfg.linear_num_key_heads)
+        v = heads(v, cfg.linear_num_value_heads)
+        return q, k, v, g, beta, z, conv_window_after(conv_window, mixed, num_valid), mixed
     u, conv = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
     return (*split_qkv(cfg, u), g, beta, z, conv, mixed)
 
@@ -120,7 +139,7 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
     B, T, _ = x.shape
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
-    q, k, v, g, beta, z, conv, mixed = gdn_inputs(p, cfg, x, state.conv, num_valid)
+    q, k, v, g, beta, z, conv, mixed = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
     W = spec_window + 1  # the caller guarantees T >= 1 + K
     if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
         o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)

@@ -22,6 +22,7 @@ other row writes its last Kc-1 real inputs full[n : n+Kc-1] (n = num_valid) to o
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +98,66 @@ def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, veri
         grid=(B, channels // BC), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps),
     )(x, weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid), pool)
+
+
+# ----------------------------------------------------------------------------- whole prompts (prefill)
+
+
+def _prompt_conv_kernel(x_ref, w_ref, *o_refs, T, Kc, BT, BC, bounds):
+    """One (row, tile of BT outputs, channel block): outputs t0+Kc-1 .. t0+Kc-2+BT, tap j reading input
+    rows t0+j ..: every load starts at a row >= 0 (the first Kc-1 outputs, which read the window, are the
+    caller's). The channel block lies inside one of the outputs (q, k, v): the others' stores are masked."""
+    from jax.experimental.pallas import triton as plt  # masked loads and stores (also in interpret mode)
+
+    b, it, ic = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0, c0 = it * BT, ic * BC
+    cols = pl.ds(c0, BC)
+    acc = jnp.zeros((BT, BC), f32)
+    for j in range(Kc):
+        in_rows = t0 + j + jnp.arange(BT)
+        mask = jnp.broadcast_to((in_rows < T)[:, None], (BT, BC))
+        xj = plt.load(x_ref.at[b, pl.ds(t0 + j, BT), cols], mask=mask, other=0)
+        acc += xj.astype(f32) * w_ref[j, cols].astype(f32)[None, :]
+    out = acc * jax.nn.sigmoid(acc)
+    out_rows = t0 + Kc - 1 + jnp.arange(BT)
+    row_ok = (out_rows < T)[:, None]
+    for o_ref, (lo, hi) in zip(o_refs, bounds):
+        start = jnp.clip(c0 - lo, 0, hi - lo - BC)  # in range even where masked off
+        plt.store(o_ref.at[b, pl.ds(t0 + Kc - 1, BT), pl.ds(start, BC)], out.astype(o_ref.dtype),
+                  mask=jnp.broadcast_to(row_ok & ((c0 >= lo) & (c0 < hi)), (BT, BC)))
+
+
+def prompt_conv_supports(widths, T: int, Kc: int) -> bool:
+    """Every output width splits into channel blocks of >= 16, and the prompt covers the window's reach."""
+    return all(w % 16 == 0 for w in widths) and T >= Kc
+
+
+def causal_conv_prompt(x, widths, weight, window, interpret=None, block_t: int = 16, block_c: int | None = None,
+                       num_warps: int = 4):
+    """Causal conv + SiLU of a whole prompt, written straight into separate outputs (q, k, v) so no sliced
+    copies follow: one read of x and one write of the outputs (XLA's fused conv ran this at about half the
+    bandwidth).
+
+    x [B, T, >=C] pre-conv inputs in channels [0, C) (the fused projection's whole output may be passed);
+    widths: the outputs' channel counts, summing to C; weight [C, 1, Kc] (tap Kc-1 on the current token);
+    window [B, Kc-1, C] the previous inputs. Returns one [B, T, width] array per width, in x.dtype, equal
+    to `jaxgdn.gdn.causal_conv_silu`'s output split at the widths.
+    """
+    B, T, _ = x.shape
+    Kc = weight.shape[-1]
+    C = sum(widths)
+    assert prompt_conv_supports(widths, T, Kc), (widths, T, Kc)
+    BC = block_c or min(MAX_CHANNEL_BLOCK, *(_channel_block(w) for w in widths))
+    bounds = tuple((lo, lo + w) for lo, w in zip(itertools.accumulate((0, *widths[:-1])), widths))
+    w_taps = weight[:, 0, :].T  # [Kc, C]: one contiguous row per tap
+    kernel = functools.partial(_prompt_conv_kernel, T=T, Kc=Kc, BT=block_t, BC=BC, bounds=bounds)
+    outs = pl.pallas_call(
+        kernel, out_shape=tuple(jax.ShapeDtypeStruct((B, T, w), x.dtype) for w in widths),
+        grid=(B, pl.cdiv(T - (Kc - 1), block_t), C // BC), interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(x, w_taps)
+    # The first Kc-1 outputs read the window: full = [window ‖ x[:, :Kc-1]], a few rows for XLA.
+    full = jnp.concatenate([window.astype(x.dtype), x[:, : Kc - 1, :C]], axis=1).astype(f32)
+    head = sum(full[:, j : j + Kc - 1] * w_taps[j].astype(f32) for j in range(Kc))
+    head = (head * jax.nn.sigmoid(head)).astype(x.dtype)
+    return tuple(o.at[:, : Kc - 1].set(head[..., lo:hi]) for o, (lo, hi) in zip(outs, bounds))

@@ -11,7 +11,7 @@ import pytest
 from jaxgdn.cache import GDNSlots
 from jaxgdn.gdn import causal_conv_silu, conv_checkpoint_inputs
 from jaxgdn.paged_forward import _read_conv, _write_conv
-from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
+from pallas_kernels.conv_pallas import causal_conv_pooled, causal_conv_prompt, conv_kernel_supports
 
 
 def conv_case(seed=0, T=3, K=2, C=48, extra=8, Kc=4, dtype=jnp.float32):
@@ -85,3 +85,55 @@ def test_conv_kernel_lowers_to_triton_without_a_gpu():
 
 def test_conv_kernel_supports_channel_tiles_only():
     assert conv_kernel_supports(6144) and conv_kernel_supports(48) and not conv_kernel_supports(40)
+
+
+@pytest.mark.parametrize("T, block_t, dtype", [(4, 16, jnp.float32), (37, 16, jnp.float32), (64, 32, jnp.bfloat16)])
+def test_prompt_conv_kernel_equals_the_xla_conv_split_into_q_k_v(T, block_t, dtype):
+    """causal_conv_prompt against causal_conv_silu over a nonzero window, its outputs the channel ranges of
+    q, k, v; T = 4 leaves the kernel one output row (the rest read the window), 37 a partial last tile.
+    The input carries extra channels past C (the fused projection's z, b, a), which must not be read."""
+    r = np.random.default_rng(T)
+    B, Kc, widths = 2, 4, (32, 32, 48)
+    C = sum(widths)
+    x = jnp.asarray(r.standard_normal((B, T, C + 16)), dtype)
+    window = jnp.asarray(r.standard_normal((B, Kc - 1, C)), dtype)
+    weight = jnp.asarray(r.standard_normal((C, 1, Kc)), dtype)
+    u_ref, _ = causal_conv_silu(x[..., :C], window, weight)
+    outs = causal_conv_prompt(x, widths, weight, window, block_t=block_t, block_c=16)
+    assert [o.shape[-1] for o in outs] == list(widths) and all(o.dtype == dtype for o in outs)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, -1), np.float32), np.asarray(u_ref, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
+    """impl "pallas" routes a long row's conv through the kernel (q, k, v, window, mixed all equal)."""
+    from helpers import small_config
+
+    from jaxgdn.config import LINEAR_ATTENTION
+    from jaxgdn.gdn import gdn_inputs
+    from jaxgdn.params import fuse_projections, init_random_params
+    from pallas_kernels.gdn import use_prompt_conv_kernel
+
+    cfg = small_config()
+    params = init_random_params(cfg)
+    i = cfg.layer_types.index(LINEAR_ATTENTION)
+    p, p_fused = params.layers[i].mixer, fuse_projections(params).layers[i].mixer
+    assert p_fused.fused is not None  # the kernel then reads q‖k‖v out of the whole fused product
+    T = 40
+    assert use_prompt_conv_kernel("pallas", T) and not use_prompt_conv_kernel("chunked", T)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, T, cfg.hidden_size))
+    window = jax.random.normal(jax.random.PRNGKey(2), (2, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim))
+    num_valid = jnp.array([T, 25])
+    want = gdn_inputs(p, cfg, x, window, num_valid, impl="chunked")
+    for mixer in (p, p_fused):
+        got = gdn_inputs(mixer, cfg, x, window, num_valid, impl="pallas")
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_conv_kernel_lowers_to_triton_without_a_gpu():
+    x = jnp.zeros((1, 64, 6144 + 2080), jnp.bfloat16)
+    weight, window = jnp.zeros((6144, 1, 4), jnp.bfloat16), jnp.zeros((1, 3, 6144), jnp.bfloat16)
+    fn = lambda x: causal_conv_prompt(x, (2048, 2048, 2048), weight, window, interpret=False)  # noqa: E731
+    assert "triton" in jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().lower()

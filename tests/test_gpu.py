@@ -57,10 +57,11 @@ def test_pd_across_two_devices():
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 2, 4, 16, 24), (1, 300, 4, 4, 128, 128), (3, 130, 2, 4, 64, 128)])
-def test_pallas_gdn_kernels_compiled_equal_reference(shape):
+def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
     """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls)."""
     import jax.numpy as jnp
 
+    from pallas_kernels import gdn_pallas
     from pallas_kernels.gdn import gdn_recurrent_checkpoints
     from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
     from test_gdn_core import random_inputs
@@ -70,6 +71,9 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     with jax.default_matmul_precision("highest"):
         o_ref, s_ref, states_ref = jax.jit(gdn_recurrent_checkpoints)(q, k, v, g, beta, s0)
     err = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
+    o, s = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta, s0)
+    assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
+    monkeypatch.setattr(gdn_pallas, "PREFETCH_MAX_PROGRAMS", 0)  # the scan's other form (large grids)
     o, s = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
     o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
@@ -174,6 +178,25 @@ def test_conv_kernel_compiled_equals_the_xla_path(T, K):
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     np.testing.assert_allclose(f32(u)[real], f32(u_ref)[real], rtol=2e-2, atol=2e-2)
     np.testing.assert_array_equal(f32(pool)[1:], f32(pool_ref)[1:])
+
+
+@pytest.mark.parametrize("T", [300, 2048])
+def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
+    """The Triton-lowered whole-prompt conv at the 0.8B widths (q, k, v of 2048 channels, bf16, read out
+    of the fused projection's 8224) against gdn.causal_conv_silu; T = 300 ends on a partial tile."""
+    import jax.numpy as jnp
+
+    from jaxgdn.gdn import causal_conv_silu
+    from pallas_kernels.conv_pallas import causal_conv_prompt
+
+    r = np.random.default_rng(T)
+    x = jnp.asarray(r.standard_normal((2, T, 8224)), jnp.bfloat16)
+    window = jnp.asarray(r.standard_normal((2, 3, 6144)), jnp.bfloat16)
+    weight = jnp.asarray(r.standard_normal((6144, 1, 4)) * 0.5, jnp.bfloat16)
+    u_ref, _ = jax.jit(causal_conv_silu)(x[..., :6144], window, weight)
+    outs = jax.jit(lambda x, w, win: causal_conv_prompt(x, (2048, 2048, 2048), w, win))(x, weight, window)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(jnp.concatenate(outs, -1)), f32(u_ref), rtol=2e-2, atol=2e-2)
 
 
 def test_kv_write_kernel_compiled_equals_scatter():

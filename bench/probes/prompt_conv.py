@@ -10,7 +10,9 @@ Columns (device ms per call from a profiler trace; max |error| against `concat`)
             this probe);
   padded    taps read a zero-padded mixed; the window's contribution is a [Kc-1, C] correction added to the
             first rows (`gdn.causal_conv_silu` since);
-  lax_conv  XLA's depthwise `conv_general_dilated` over the zero-padded mixed, the same correction.
+  lax_conv  XLA's depthwise `conv_general_dilated` over the zero-padded mixed, the same correction;
+  kernel_BTxBC_wW  the Pallas kernel `conv_pallas.causal_conv_prompt` (tile of BT rows x BC channels, W warps),
+            written straight into q, k, v (the engine's form since r10).
 """
 
 import json
@@ -19,10 +21,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxgdn.bench.common import environment, profile_calls
+from jaxgdn.bench.common import environment, probe_row, profile_calls
+from pallas_kernels.conv_pallas import causal_conv_prompt
 
 f32 = jnp.float32
 T_LONG, C, N, KC = 8192, 6144, 8224, 4
+KERNEL_TILES = ((16, 256, 4), (8, 256, 4), (16, 512, 4), (16, 256, 2), (8, 512, 4), (16, 128, 2), (8, 128, 2))  # BT, BC, warps
 
 
 def device_ms(f, *args):
@@ -76,7 +80,12 @@ def forms(weight):
         acc = acc + window_correction(window, w, T)
         return split3(jax.nn.silu(acc).astype(src.dtype))
 
-    return {"concat": concat, "taps": taps, "padded": padded, "lax_conv": lax_conv}
+    def kernel(src, window, bt, bc, warps):
+        return causal_conv_prompt(src[None], (C // 3,) * 3, weight, window, block_t=bt, block_c=bc, num_warps=warps)
+
+    kernels = {f"kernel_{bt}x{bc}_w{w}": (lambda s, win, bt=bt, bc=bc, w=w: kernel(s, win, bt, bc, w))
+               for bt, bc, w in KERNEL_TILES}
+    return {"concat": concat, "taps": taps, "padded": padded, "lax_conv": lax_conv, **kernels}
 
 
 def main(out_path=None):
@@ -91,17 +100,16 @@ def main(out_path=None):
     gb = (T * C * 2 * 2) / 1e9  # read the C channels once, write q, k, v once (bf16)
     rows = []
     for name, f in fs.items():
-        row = {"form": name}
-        try:
-            got = jax.jit(f)(src, window)
-            row["error"] = max(float(jnp.abs(g.astype(f32) - r).max()) for g, r in zip(got, ref))
+
+        def measure(f=jax.jit(f)):
+            got = f(src, window)
+            row = {"error": max(float(jnp.abs(g.astype(f32) - r).max()) for g, r in zip(got, ref))}
             if on_gpu:
-                row["ms"], row["top"] = device_ms(jax.jit(f), src, window)
+                row["ms"], row["top"] = device_ms(f, src, window)
                 row["TB_per_s"] = round(gb / row["ms"], 2)
-        except Exception as e:  # noqa: BLE001 - a form that does not compile is a result too
-            row["failed"] = repr(e)[:300]
-        print({k: v for k, v in row.items() if k != "top"}, flush=True)
-        rows.append(row)
+            return row
+
+        rows.append(probe_row({"form": name}, measure, quiet=("top",)))
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"benchmark": "prompt-conv-probe", "T": T, "C": C, "source_width": N, "rows": rows,
