@@ -285,8 +285,12 @@ def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *
     sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
 
 
-def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, scale, dtype):
-    """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'."""
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
+    """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
+
+    norm = (eps, dv) (refs z, weight, out; the block a whole head): the GDN layer's gated RMS norm is
+    applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z, weight)` computes
+    it: the fp32 O never goes to memory and back. dv is the real head width (padded columns are zero)."""
     b, h, n, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     hk = h // group
     cols = pl.ds(iv * BV, BV)
@@ -298,12 +302,26 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, o_ref, *, group, BV, sc
     gam = gam_ref[b, rows, h]
     intra = _dot(q, k.T, dtype) * jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
     o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
+    o_ref = refs[-1]
+    if norm is not None:
+        z_ref, w_ref = refs[:2]
+        eps, dv = norm
+        o = o.astype(o_ref.dtype).astype(f32)  # the layer casts the core output to its activation dtype first
+        normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(o_ref.dtype).astype(f32)
+        z = z_ref[b, rows, h, cols].astype(f32)
+        o = w_ref[cols].astype(f32)[None, :] * normed * (z * jax.nn.sigmoid(z))
     o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None):
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
+
+    gate = (z [B, T, Hv, dv], weight [dv], eps): the output kernel also applies the GDN layer's gated RMS
+    norm (on whole heads) and returns it in z.dtype instead of o: `norms.gated_rms_norm(o.astype(z.dtype),
+    z, weight, eps, z.dtype)` without the fp32 o's round trip through memory. Opt-in until measured
+    (bench/probes/gdn_output_norm.py).
+
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
     and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
     165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
@@ -341,9 +359,14 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
     # (bench/results/gdn-chunk-configs-probe_gpu_20261201.json).
     BVO = min(dvp, block_v_out or (128 if B * Hv * N >= 1024 else 64))
+    norm, gate_args, out_dtype = None, (), f32
+    if gate is not None:  # the norm reads whole heads: one dv tile
+        z, weight, eps = gate
+        BVO, norm, out_dtype = dvp, (float(eps), dv), z.dtype
+        gate_args = (jnp.pad(z, [(0, 0), (0, pad), (0, 0), (0, dvp - dv)]), jnp.pad(weight, [(0, dvp - dv)]))
     o = pl.pallas_call(
-        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype),
-        out_shape=sds((B, Tp, Hv, dvp), f32),
+        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
+        out_shape=sds((B, Tp, Hv, dvp), out_dtype),
         grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
-    )(q, k, gam, h_enter, v_new)
+    )(q, k, gam, h_enter, v_new, *gate_args)
     return o[:, :T, :, :dv], sT[:, :, :dk, :dv]

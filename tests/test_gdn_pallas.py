@@ -1,5 +1,6 @@
 """Pallas GDN kernels (interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the scan reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,6 +65,26 @@ def test_chunked_kernel_scan_with_and_without_prefetch_equals_scan(monkeypatch):
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5, limit
 
 
+@pytest.mark.parametrize("dtype, dv", [(jnp.float32, 32), (jnp.bfloat16, 24)])
+def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, dv):
+    """gate=(z, weight, eps): the output kernel's gated RMS norm against norms.gated_rms_norm of the plain
+    kernel's output (dv 24 pads the head to 32: the norm's mean must ignore the zero columns); T = 70
+    pads the last chunk. The state is unchanged."""
+    from jaxgdn.norms import gated_rms_norm
+
+    q, k, v, g, beta, s0 = random_inputs(B=2, T=70, Hk=1, Hv=2, dk=16, dv=dv, seed=1)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    z = jax.random.normal(jax.random.PRNGKey(5), v.shape).astype(dtype)
+    weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(6), (dv,))
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
+    want = gated_rms_norm(o.astype(dtype), z, weight, 1e-6, dtype)
+    got, s_fused = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=(z, weight, 1e-6))
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert max_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= tol
+    assert max_err(s_fused, s) == 0.0
+
+
 def test_chunked_kernel_strong_decay_is_finite():
     q, k, v, g, beta, s0 = random_inputs(T=128, decay=(5.0, 30.0), seed=3)
     o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
@@ -91,16 +112,17 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "recurrent", "pooled"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
-    import jax
-
     q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=4, dk=128, dv=128)
     bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
     if kernel == "chunked":
         fn = lambda *a: gdn_chunked_pallas(*a, interpret=False)  # noqa: E731
+    elif kernel == "chunked-gated":
+        z = jnp.ones((1, 70, 4, 128), jnp.bfloat16)
+        fn = lambda *a: gdn_chunked_pallas(*a, interpret=False, gate=(z, jnp.ones(128), 1e-6))  # noqa: E731
     elif kernel == "recurrent":
         fn = lambda *a: gdn_recurrent_pallas(*a, keep_states=True, interpret=False)  # noqa: E731
     else:

@@ -61,6 +61,7 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
     """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls)."""
     import jax.numpy as jnp
 
+    from jaxgdn.norms import gated_rms_norm
     from pallas_kernels import gdn_pallas
     from pallas_kernels.gdn import gdn_recurrent_checkpoints
     from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
@@ -76,6 +77,10 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
     monkeypatch.setattr(gdn_pallas, "PREFETCH_MAX_PROGRAMS", 0)  # the scan's other form (large grids)
     o, s = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
+    z = jax.random.normal(jax.random.PRNGKey(T), o.shape)
+    want = gated_rms_norm(o, z, jnp.ones(dv), 1e-6, jnp.float32)
+    got, _ = jax.jit(lambda *a: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6)))(q, k, v, g, beta, s0)
+    assert err(got, want) <= 1e-4  # the gated norm fused into the output kernel
     o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import pallas_kernels.gdn_pallas as gp
-from jaxgdn.bench.common import environment, probe_row, profile_calls, random_gdn_inputs
+from jaxgdn.bench.common import environment, gdn_probe_shapes, probe_row, profile_calls, random_gdn_inputs
 from pallas_kernels.gdn import gdn_chunked
 
 f32 = jnp.float32
@@ -118,9 +118,7 @@ def run_form(prep, warps, scan, block_v, *args):
 
 
 def main(out_path=None):
-    on_gpu = jax.default_backend() == "gpu"
-    shapes = ((1, 8192), (8, 1024)) if on_gpu else ((1, 128),)
-    H, d = (16, 128) if on_gpu else (2, 32)
+    _, shapes, H, d = gdn_probe_shapes()
     rows = []
     for B, T in shapes:
         q, k, v, g, beta = random_gdn_inputs(B, T, H, d, seed=B * T)

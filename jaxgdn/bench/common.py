@@ -203,3 +203,12 @@ def random_gdn_inputs(B: int, T: int, H: int, d: int, seed: int = 0):
     g = -jax.nn.softplus(jax.random.normal(key[3], (B, T, H), jnp.float32))
     beta = jax.nn.sigmoid(jax.random.normal(key[4], (B, T, H), jnp.float32))
     return q, k, v, g, beta
+
+
+def gdn_probe_shapes() -> tuple[bool, tuple[tuple[int, int], ...], int, int]:
+    """(on a GPU, ((B, T), ...), heads, head dim) of the GDN kernel probes: the 0.8B's prefill shapes
+    1x8192 and 8x1024 with 16 heads of 128 on a GPU; one small shape elsewhere (correctness only)."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    return (on_gpu, ((1, 8192), (8, 1024)), 16, 128) if on_gpu else (on_gpu, ((1, 128),), 2, 32)
