@@ -2,9 +2,9 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|prefill-pallas|spec|
-#                       spec-shipped|pd|startup|probes ...]
-#   (default: all but the six extras, in this order: decode-fla times transformers + fla alone (one call),
-#   probes the cold-weight product probe (bench/probes/cold_products.py),
+#                       spec-shipped|pd|startup|probes|gdn-probes ...]
+#   (default: all but the seven extras, in this order: decode-fla times transformers + fla alone (one call),
+#   probes the cold-weight product probe (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms,
 #   decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
 #   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
@@ -50,6 +50,9 @@ for step in $steps; do
                2>&1 | grep -v Warning
              PROBE_XLA_ONLY=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 100 python3 bench/probes/cold_products.py \
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
+    # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
+    gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
+             timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \
                --out "$dest/startup_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
