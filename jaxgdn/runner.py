@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -249,6 +249,17 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
     return directory
 
 
+class LaunchArgs(NamedTuple):
+    """What one launch of the jitted step took besides the device state: the packed host input
+    (int32[n]) and the static arguments (see _packed_step)."""
+
+    host_buf: np.ndarray
+    layout: tuple
+    stochastic: bool
+    num_steps: int
+    whole_prompts: bool
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla"):
     """One jitted step function per static setting, shared by every runner in the process, so engines
@@ -271,7 +282,7 @@ class ModelRunner:
         self.cfg = cfg
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
-        self.last_device_args = None  # (host input buffer, layout, stochastic, num_steps, whole_prompts) of the last launch
+        self.last_device_args: LaunchArgs | None = None  # the last launch's, for benchmarks to replay
         # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
         # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
         # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
@@ -334,7 +345,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = jax.device_put(host_buf, self.device)
-        self.last_device_args = host_buf, layout, stochastic, num_steps, whole_prompts  # benchmarks replay them
+        self.last_device_args = LaunchArgs(host_buf, layout, stochastic, num_steps, whole_prompts)
         t1 = time.perf_counter()
         flat = self._launch(step_input, layout, stochastic, num_steps, whole_prompts)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host

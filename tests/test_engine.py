@@ -335,7 +335,7 @@ def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
     sizes = []
     while eng.has_unfinished:
         eng.step()
-        sizes.append(eng.runner.last_device_args[0].size)
+        sizes.append(eng.runner.last_device_args.host_buf.size)
         assert len(eng.runner._resident_inputs) == 1
     assert len(set(sizes)) >= 2
     assert [eng.requests[r].output_token_ids for r in rids] == [reference(p, GREEDY.max_tokens),
