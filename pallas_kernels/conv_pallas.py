@@ -1,4 +1,6 @@
-"""Pallas kernel of the GDN layer's causal conv + SiLU over the engine's conv-window pool, in place.
+"""Pallas kernels of the GDN layer's causal conv + SiLU: over the engine's conv-window pool, in place, for
+short rows (`causal_conv_pooled`, below), and over whole long rows written straight into q, k and v
+(`causal_conv_prompt`, at the end of the file).
 
 The XLA path of an engine step gathers each row's window from the pool, concatenates it with the new
 inputs, convolves, and scatters the new window back: four or five kernels per GDN layer, and a scatter

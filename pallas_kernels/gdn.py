@@ -152,7 +152,7 @@ def use_prompt_conv_kernel(impl: str, T: int) -> bool:
     """Whether the GDN layer's conv over rows of T tokens runs as `conv_pallas.causal_conv_prompt`: where
     `impl` runs the chunked Pallas kernel ("pallas" anywhere, "auto"/"pallas_pool" on a GPU, T above
     RECURRENT_MAX_T). On the H200 at 8192 tokens it replaced XLA's fused conv and q/k/v slices
-    (bench/results/prompt-conv-probe_gpu_20261201.json)."""
+    (bench/results/prompt-conv-probe-r10b_gpu_20261201.json)."""
     return T > RECURRENT_MAX_T and (impl == "pallas" or (impl in ("auto", "pallas_pool") and on_gpu()))
 
 

@@ -26,7 +26,8 @@ from pallas_kernels.conv_pallas import causal_conv_prompt
 
 f32 = jnp.float32
 T_LONG, C, N, KC = 8192, 6144, 8224, 4
-KERNEL_TILES = ((16, 256, 4), (8, 256, 4), (16, 512, 4), (16, 256, 2), (8, 512, 4), (16, 128, 2), (8, 128, 2))  # BT, BC, warps
+# (BT rows, BC channels, warps) of the kernel's tiles
+KERNEL_TILES = ((16, 256, 4), (8, 256, 4), (16, 512, 4), (16, 256, 2), (8, 512, 4), (16, 128, 2), (8, 128, 2))
 
 
 def device_ms(f, *args):

@@ -194,9 +194,9 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
                       attention_impl: str = "xla", profile_dir: str | None = None) -> tuple[float, dict, dict | None]:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
     that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
-    replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with profile_dir the kernels of that step replayed (None
-    without). Seven timed steps: three read 33.8 and 34.2 ms at 1x8192 for kernels that had got faster
-    (prefill-r10-kernels), host time moving by 1.4 ms."""
+    replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with
+    profile_dir the kernels of that step replayed (None without). Seven timed steps: three read 33.8 and
+    34.2 ms at 1x8192 for kernels that had got faster (prefill-r10-kernels), host time moving by 1.4 ms."""
     from ..request import SamplingParams
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
@@ -399,7 +399,8 @@ def bench_prefill(args) -> dict:
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
         peer = _peer(row, "transformers_ms", ms, measure,
                      lambda: args.save_partial(_prefill_payload(args, sizes, tflops, rows)))
-        print(f"prefill {batch}x{length}: {ms:.2f} ms (device {row['device_ms']:.2f})  {row['tokens_per_s']:10.0f} tok/s  FLOP floor "
+        print(f"prefill {batch}x{length}: {ms:.2f} ms (device {row['device_ms']:.2f})  "
+              f"{row['tokens_per_s']:10.0f} tok/s  FLOP floor "
               f"{row['flop_floor_ms']:.2f} ms ({row['over_floor']:.1f}x){peer}", flush=True)
     return _prefill_payload(args, sizes, tflops, rows)
 

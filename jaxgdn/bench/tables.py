@@ -47,8 +47,8 @@ def decode_table(d: dict) -> list[str]:
 
 
 def prefill_table(d: dict) -> list[str]:
-    return _table(["shape", "ms", "device ms", "tokens/s", "FLOP floor ms", "over floor", "transformers ms", "speed-up"],
-                  d["rows"],
+    columns = ["shape", "ms", "device ms", "tokens/s", "FLOP floor ms", "over floor", "transformers ms", "speed-up"]
+    return _table(columns, d["rows"],
                   lambda r: [f"{r['batch']}x{r['length']}", f"{r['ms']:.2f}", _fmt(r.get("device_ms"), ".2f"),
                              f"{r['tokens_per_s']:.0f}",
                              f"{r['flop_floor_ms']:.2f}", f"{r['over_floor']:.1f}x", _fmt(r.get("transformers_ms"), ".1f"),
