@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import on_gpu
+
 from .config import ModelConfig
 from .mlp import linear, project
 from .norms import rms_norm_1p, upcast
@@ -61,7 +63,7 @@ def fresh_prompt_attention(q, k, v, num_valid, positions, valid):
     """
     D = q.shape[-1]
     out = None
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and D <= 256 and D % 8 == 0:
+    if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and D <= 256 and D % 8 == 0:
         lengths = jnp.maximum(num_valid, 1).astype(jnp.int32)  # an empty (padding) row still gets finite rows
         try:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
