@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
-from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_checkpoints, use_prompt_conv_kernel
+from pallas_kernels.gdn import (gated_delta_rule, gated_delta_rule_checkpoints, runs_chunked_pallas,
+                                use_prompt_conv_kernel)
+from pallas_kernels.gdn_pallas import OutputGate
 
 from .config import ModelConfig
 from .mlp import linear, project, split_outputs
@@ -97,30 +101,46 @@ def split_qkv(cfg: ModelConfig, u):
     return q, k, v
 
 
-def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto"):
+class GDNInputs(NamedTuple):
+    """What the GDN layer's core and output read (see `gdn_inputs`)."""
+
+    q: jax.Array  # [B, T, Hk, dk]
+    k: jax.Array  # [B, T, Hk, dk]
+    v: jax.Array  # [B, T, Hv, dv]
+    g: jax.Array  # [B, T, Hv] fp32 log decay
+    beta: jax.Array  # [B, T, Hv] fp32
+    z: jax.Array  # [B, T, Hv, dv] output gate
+    conv: jax.Array  # [B, Kc-1, C] the conv window after the step
+    mixed: jax.Array  # [B, T, C] the pre-conv inputs
+    z_source: jax.Array  # [B, T, >=C'] an array holding z in place: the fused projection's product or z
+    z_offset: int  # z's first column in z_source (value head h at z_offset + h * dv)
+
+
+def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto") -> GDNInputs:
     """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
     [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
     impl: the GDN implementation; where it runs the Pallas kernels on long rows, so does the conv
-    (`causal_conv_prompt`, written straight into q, k and v).
-    Returns (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv] fp32, z [B,T,Hv,dv], new window, mixed
-    [B, T, C] the pre-conv inputs)."""
+    (`causal_conv_prompt`, written straight into q, k and v)."""
     source, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
     B, T, _ = x.shape
+    z_source, z_offset = (source, cfg.conv_dim) if p.fused is not None else (z.reshape(B, T, -1), 0)
     widths = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
     if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, cfg.linear_conv_kernel_dim):
         q, k, v = causal_conv_prompt(source, widths, p.conv1d, conv_window)
         heads = lambda a, h: a.reshape(B, T, h, -1)  # noqa: E731
         q, k = heads(q, cfg.linear_num_key_heads), heads(k, cfg.linear_num_key_heads)
         v = heads(v, cfg.linear_num_value_heads)
-        return q, k, v, g, beta, z, conv_window_after(conv_window, mixed, num_valid), mixed
+        conv = conv_window_after(conv_window, mixed, num_valid)
+        return GDNInputs(q, k, v, g, beta, z, conv, mixed, z_source, z_offset)
     u, conv = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
-    return (*split_qkv(cfg, u), g, beta, z, conv, mixed)
+    return GDNInputs(*split_qkv(cfg, u), g, beta, z, conv, mixed, z_source, z_offset)
 
 
-def gdn_output(p, cfg: ModelConfig, o, z, dtype):
-    """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]."""
+def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False):
+    """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]. normed: o is already
+    the gated norm's output (the chunked kernel applied it)."""
     B, T = o.shape[:2]
-    y = gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
+    y = o if normed else gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
     return linear(y.reshape(B, T, -1), p.out_proj)
 
 
@@ -139,18 +159,25 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
     B, T, _ = x.shape
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
-    q, k, v, g, beta, z, conv, mixed = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
+    inp = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
+    q, k, v, g, beta = inp.q, inp.k, inp.v, inp.g, inp.beta
     W = spec_window + 1  # the caller guarantees T >= 1 + K
+    fused_norm = False
     if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
         o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
     else:
-        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl)
+        # Where the chunked Pallas kernel runs, its output kernel applies the gated norm, so the fp32 output
+        # never goes to memory and back: 453 against 480 µs a layer at 1x8192 on the H200, kernel and norm
+        # (bench/results/gdn-output-norm-probe_gpu_20261201.json).
+        fused_norm = runs_chunked_pallas(impl, T)
+        gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
+        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl, gate=gate)
         if spec_window:
             head = lambda a: a[:, :W]  # noqa: E731
             _, _, states = gated_delta_rule_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm,
                                                         impl=impl)
-    out = gdn_output(p, cfg, o, z, x.dtype)
+    out = gdn_output(p, cfg, o, inp.z, x.dtype, normed=fused_norm)
     if not spec_window:
-        return out, GDNState(conv=conv, ssm=ssm)
-    checkpoints = GDNState(conv=conv_checkpoint_inputs(state.conv, mixed, spec_window), ssm=states)
-    return out, GDNState(conv=conv, ssm=ssm), checkpoints
+        return out, GDNState(conv=inp.conv, ssm=ssm)
+    checkpoints = GDNState(conv=conv_checkpoint_inputs(state.conv, inp.mixed, spec_window), ssm=states)
+    return out, GDNState(conv=inp.conv, ssm=ssm), checkpoints

@@ -148,12 +148,17 @@ def use_pooled_recurrent(impl: str, T: int, dk: int, dv: int) -> bool:
     return wanted and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
 
 
+def runs_chunked_pallas(impl: str, T: int) -> bool:
+    """Whether `gated_delta_rule(impl=impl)` runs rows of T tokens on the chunked Pallas kernel: "pallas"
+    anywhere (interpret mode on CPU), "auto"/"pallas_pool" on a GPU above RECURRENT_MAX_T tokens."""
+    return impl == "pallas" or (impl in ("auto", "pallas_pool") and on_gpu() and T > RECURRENT_MAX_T)
+
+
 def use_prompt_conv_kernel(impl: str, T: int) -> bool:
-    """Whether the GDN layer's conv over rows of T tokens runs as `conv_pallas.causal_conv_prompt`: where
-    `impl` runs the chunked Pallas kernel ("pallas" anywhere, "auto"/"pallas_pool" on a GPU, T above
-    RECURRENT_MAX_T). On the H200 at 8192 tokens it replaced XLA's fused conv and q/k/v slices
-    (bench/results/prompt-conv-probe-r10b_gpu_20261201.json)."""
-    return T > RECURRENT_MAX_T and (impl == "pallas" or (impl in ("auto", "pallas_pool") and on_gpu()))
+    """Whether the GDN layer's conv over rows of T tokens runs as `conv_pallas.causal_conv_prompt`: long
+    rows (above RECURRENT_MAX_T) where `impl` runs the chunked Pallas kernel. On the H200 at 8192 tokens
+    it replaced XLA's fused conv and q/k/v slices (bench/results/prompt-conv-probe-r10b_gpu_20261201.json)."""
+    return T > RECURRENT_MAX_T and runs_chunked_pallas(impl, T)
 
 
 GDNImpl = Callable[..., tuple]
@@ -176,9 +181,17 @@ def available_gdn_impls() -> tuple[str, ...]:
     return tuple(_IMPLS)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None):
     """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
-    "pallas_recurrent", "pallas_pool" or a registered kernel)."""
+    "pallas_recurrent", "pallas_pool" or a registered kernel).
+
+    gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
+    in its output kernel; o is then the normed output in z's dtype. Only where `runs_chunked_pallas`."""
+    if gate is not None:
+        if not runs_chunked_pallas(impl, q.shape[1]):
+            raise ValueError(f"gate= needs the chunked Pallas kernel; impl {impl!r} does not run it at "
+                             f"T={q.shape[1]}")
+        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate)
     try:
         fn = _IMPLS[impl]
     except KeyError:

@@ -16,7 +16,8 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and
   Kd = e^{γ_last-γ}K. `_scan_kernel` is the only sequential part: per (row, head, dv block) it walks the
   chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + KdᵀV', storing each chunk's
-  entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
+  entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V', and
+  with `gate=` it applies the layer's gated RMS norm before the store (the GDN layer's default there).
   Each row of the batch starts from its own initial state and chunks never cross rows.
 
 Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
@@ -27,6 +28,7 @@ Triton needs power-of-two tiles: dk and dv are zero-padded up to one (exactly a 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -288,9 +290,10 @@ def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
     """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
 
-    norm = (eps, dv) (refs z, weight, out; the block a whole head): the GDN layer's gated RMS norm is
-    applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z, weight)` computes
-    it: the fp32 O never goes to memory and back. dv is the real head width (padded columns are zero)."""
+    norm = (eps, dv, z_offset, z_stride) (refs z, weight, out; the block a whole head): the GDN layer's
+    gated RMS norm is applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z,
+    weight)` computes it: the fp32 O never goes to memory and back. dv is the real head width (padded
+    columns are zero); head h's gate is z[b, t, z_offset + h * z_stride : ... + dv] of a [B, T, C] z."""
     b, h, n, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     hk = h // group
     cols = pl.ds(iv * BV, BV)
@@ -305,22 +308,35 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale
     o_ref = refs[-1]
     if norm is not None:
         z_ref, w_ref = refs[:2]
-        eps, dv = norm
+        eps, dv, z_offset, z_stride = norm
         o = o.astype(o_ref.dtype).astype(f32)  # the layer casts the core output to its activation dtype first
         normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(o_ref.dtype).astype(f32)
-        z = z_ref[b, rows, h, cols].astype(f32)
+        z = z_ref[b, rows, pl.ds(z_offset + h * z_stride + iv * BV, BV)].astype(f32)
         o = w_ref[cols].astype(f32)[None, :] * normed * (z * jax.nn.sigmoid(z))
     o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
+
+
+class OutputGate(NamedTuple):
+    """The GDN layer's gated RMS norm, for the chunked kernel's output kernel to apply.
+
+    z: the gates, [B, T, Hv, dv], or (with z_offset) any [B, T, C] array whose columns z_offset + h * dv
+    .. + dv hold value head h's: the fused projection's whole product, read in place (a slice passed to
+    the kernel is first copied into a buffer of its own by XLA). weight [dv]; eps the norm's epsilon."""
+
+    z: jax.Array
+    weight: jax.Array
+    eps: float
+    z_offset: int = 0
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
-    gate = (z [B, T, Hv, dv], weight [dv], eps): the output kernel also applies the GDN layer's gated RMS
-    norm (on whole heads) and returns it in z.dtype instead of o: `norms.gated_rms_norm(o.astype(z.dtype),
-    z, weight, eps, z.dtype)` without the fp32 o's round trip through memory. Opt-in until measured
-    (bench/probes/gdn_output_norm.py).
+    gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
+    layer's gated RMS norm (on whole heads) and returns it in z.dtype instead of o:
+    `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)` without the fp32 o's round trip
+    through memory (bench/probes/gdn_output_norm.py measures it).
 
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
     and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
@@ -361,9 +377,16 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     BVO = min(dvp, block_v_out or (128 if B * Hv * N >= 1024 else 64))
     norm, gate_args, out_dtype = None, (), f32
     if gate is not None:  # the norm reads whole heads: one dv tile
-        z, weight, eps = gate
-        BVO, norm, out_dtype = dvp, (float(eps), dv), z.dtype
-        gate_args = (jnp.pad(z, [(0, 0), (0, pad), (0, 0), (0, dvp - dv)]), jnp.pad(weight, [(0, dvp - dv)]))
+        gate = OutputGate(*gate)
+        z, z_offset, z_stride = gate.z, gate.z_offset, dv
+        if z.ndim == 4:  # [B, T, Hv, dv]: head-contiguous, read at column h * dv
+            z, z_offset = z.reshape(B, T, Hv * dv), 0
+        if pad or dvp != dv:  # a padded copy of just the gates, heads dvp apart
+            z = jnp.pad(z[..., z_offset : z_offset + Hv * dv].reshape(B, T, Hv, dv),
+                        [(0, 0), (0, pad), (0, 0), (0, dvp - dv)])
+            z, z_offset, z_stride = z.reshape(B, Tp, Hv * dvp), 0, dvp
+        BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
+        gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
     o = pl.pallas_call(
         functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
         out_shape=sds((B, Tp, Hv, dvp), out_dtype),

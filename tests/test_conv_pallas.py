@@ -128,8 +128,14 @@ def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
     want = gdn_inputs(p, cfg, x, window, num_valid, impl="chunked")
     for mixer in (p, p_fused):
         got = gdn_inputs(mixer, cfg, x, window, num_valid, impl="pallas")
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        for name in ("q", "k", "v", "g", "beta", "z", "conv", "mixed"):
+            np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                       rtol=1e-5, atol=1e-5, err_msg=name)
+        # z_source holds z in place: the whole fused product, or z itself
+        B, T, Hv, dv = got.z.shape
+        z_in_source = got.z_source[..., got.z_offset : got.z_offset + Hv * dv].reshape(got.z.shape)
+        assert (mixer.fused is not None) == (got.z_source.shape[-1] > Hv * dv)
+        np.testing.assert_array_equal(np.asarray(z_in_source), np.asarray(got.z))
 
 
 def test_prompt_conv_kernel_lowers_to_triton_without_a_gpu():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
-from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+from pallas_kernels.gdn_pallas import OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
 from test_gdn_core import random_inputs
 
 
@@ -83,6 +83,53 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert max_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= tol
     assert max_err(s_fused, s) == 0.0
+
+
+def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
+    """OutputGate(z_source, weight, eps, z_offset): value head h's gate at columns z_offset + h * dv of a
+    [B, T, C] array (the fused projection's product, which the layer passes without slicing) gives the
+    same output as the [B, T, Hv, dv] gates. T = 64 needs no padding, so the kernel reads the wide array
+    itself; a padded T takes a padded copy of the gates (the layer test below, T = 40)."""
+    T = 64
+    q, k, v, g, beta, s0 = random_inputs(B=2, T=T, Hk=1, Hv=2, dk=16, dv=32, seed=2)
+    z = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+    weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (32,))
+    before, after = (jax.random.normal(jax.random.PRNGKey(s), (2, T, n)) for s, n in ((9, 40), (10, 8)))
+    source = jnp.concatenate([before, z.reshape(2, T, -1), after], axis=-1)
+    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(z, weight, 1e-6))
+    got, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(source, weight, 1e-6, z_offset=40))
+    assert max_err(got, want) == 0.0
+
+
+def test_gate_needs_the_chunked_kernel():
+    q, k, v, g, beta, s0 = random_inputs(T=5)
+    gate = OutputGate(jnp.ones(v.shape), jnp.ones(v.shape[-1]), 1e-6)
+    with pytest.raises(ValueError, match="chunked Pallas kernel"):
+        gated_delta_rule(q, k, v, g, beta, s0, impl="chunked", gate=gate)
+
+
+def test_gdn_layer_with_the_norm_in_the_kernel_equals_the_xla_norm():
+    """impl "pallas": the layer hands its gated norm to the chunked kernel, which reads z out of the fused
+    projection's product (the engine's params); output and state equal the XLA chunked form with the norm
+    in XLA, padded rows included. (Unfused params pass z itself: the kernel tests above.)"""
+    from helpers import small_config
+
+    from jaxgdn.config import LINEAR_ATTENTION
+    from jaxgdn.gdn import gdn_layer
+    from jaxgdn.params import fuse_projections, init_random_params
+    from pallas_kernels.gdn import runs_chunked_pallas
+
+    cfg = small_config()
+    params = fuse_projections(init_random_params(cfg, seed=3))
+    p = params.layers[cfg.layer_types.index(LINEAR_ATTENTION)].mixer
+    assert runs_chunked_pallas("pallas", 40) and not runs_chunked_pallas("chunked", 40)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, 40, cfg.hidden_size))
+    num_valid = jnp.array([40, 23])
+    want, want_state = gdn_layer(p, cfg, x, None, impl="chunked", num_valid=num_valid)
+    got, got_state = gdn_layer(p, cfg, x, None, impl="pallas", num_valid=num_valid)
+    assert max_err(got, want) <= 1e-4 * max(1.0, float(jnp.abs(want).max()))
+    assert max_err(got_state.ssm, want_state.ssm) <= 1e-5
+    np.testing.assert_allclose(np.asarray(got_state.conv), np.asarray(want_state.conv), rtol=1e-6, atol=1e-6)
 
 
 def test_chunked_kernel_strong_decay_is_finite():
