@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -165,8 +166,6 @@ def profile_calls(fn, *args, iters: int = 10, divide_by: int | None = None) -> d
     """`profile_summary` of `iters` back-to-back calls of the jitted `fn(*args)` after one untimed call
     (compile, warm-up): device busy time and top kernels per call (or per `divide_by` units)."""
     import shutil
-    import tempfile
-
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -212,3 +211,18 @@ def gdn_probe_shapes() -> tuple[bool, tuple[tuple[int, int], ...], int, int]:
 
     on_gpu = jax.default_backend() == "gpu"
     return (on_gpu, ((1, 8192), (8, 1024)), 16, 128) if on_gpu else (on_gpu, ((1, 128),), 2, 32)
+
+
+def ensure_triton_cache_dir() -> None:
+    """fla's autotuner needs Triton's cache dir; on the H200 it came up empty inside the benchmark processes
+    (bench prefill/decode's peers, bench kernels) although TRITON_CACHE_DIR was exported (cause not
+    found). Point the knob at a real directory."""
+    directory = os.environ.get("TRITON_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "triton")
+    os.environ["TRITON_CACHE_DIR"] = directory
+    try:
+        from triton import knobs
+
+        if not knobs.cache.dir:
+            knobs.cache.dir = directory
+    except Exception:  # noqa: BLE001  (older Triton without knobs: the environment variable is enough)
+        pass

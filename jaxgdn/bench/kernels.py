@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import measured_bandwidth_gbs, time_jax, time_torch
+from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, time_jax, time_torch
 
 PREFILL_SHAPES = ((1, 4096), (1, 16384), (8, 2048))
 DECODE_SHAPES = ((1, 1), (64, 1), (64, 2), (64, 3), (64, 4))
@@ -103,6 +103,7 @@ def bench_kernels(args) -> dict:
                 return fn(tq, tk, tv, g=tg, beta=tb, initial_state=ts, output_final_state=True,
                           use_qk_l2norm_in_kernel=True)
 
+            ensure_triton_cache_dir()  # as in bench prefill: found missing after our kernels had run
             with torch.no_grad():
                 fo, fs = fla_call()
                 # fla computes with bf16 beta; compare with ours fed the same rounded beta.

@@ -15,14 +15,13 @@ import collections
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 import traceback
 
 import numpy as np
 
 from ..engine_config import ASYNC_SCHEDULING_CHOICES
-from .common import measured_bandwidth_gbs, measured_matmul_tflops
+from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, measured_matmul_tflops
 
 
 def load_model(model: str, include_mtp: bool = False):
@@ -243,7 +242,7 @@ def hf_model(cfg, dtype="bfloat16"):
 
 def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> float:
     """ms per greedy decode step of a plain forward loop with transformers' cache (no generate() overhead)."""
-    _ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
+    ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
     import torch
 
     ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
@@ -266,7 +265,7 @@ def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 7, 
     """Median ms of transformers' prefill forward (logits of the last token), after `warmup` untimed
     calls (fla autotunes its kernels for a new shape on the first). Three timed calls read 46-72 ms at
     1x2048 across calls of the same day (prefill-r9-*), hence more of them."""
-    _ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
+    ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
     import torch
 
     ids = torch.randint(0, vocab, (batch, length), device="cuda")
@@ -299,20 +298,6 @@ def _peer(row: dict, key: str, ours_ms: float, measure, save) -> str:
     row["speedup_vs_transformers"] = peer_ms / ours_ms
     save()
     return f"  transformers {peer_ms:.2f} ms ({peer_ms / ours_ms:.1f}x)"
-
-
-def _ensure_triton_cache_dir() -> None:
-    """fla's autotuner needs Triton's cache dir; on the H200 it came up empty inside the benchmark process
-    although TRITON_CACHE_DIR was exported (cause not found). Point the knob at a real directory."""
-    directory = os.environ.get("TRITON_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "triton")
-    os.environ["TRITON_CACHE_DIR"] = directory
-    try:
-        from triton import knobs
-
-        if not knobs.cache.dir:
-            knobs.cache.dir = directory
-    except Exception:  # noqa: BLE001  (older Triton without knobs: the environment variable is enough)
-        pass
 
 
 def _hf_or_none(cfg, want: bool):
