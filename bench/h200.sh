@@ -21,7 +21,7 @@ stamp=$(date -u +%Y%m%d)
 steps=${*:-tests-engine tests-kernels kernels decode prefill spec pd startup}
 for step in $steps; do
   case $step in
-    # The GPU suite in two halves, one device call each (r11: the engine tests and the first kernel test
+    # The GPU suite in two halves, one device call each (r11: the engine tests and the first two kernel tests
     # took the whole 420 s the suite once had; the 16 kernel tests took ~270 s); -v so a cut run still
     # names what passed. The two-device test runs apart (skipped on one GPU) with a stack dump if it stalls.
     tests-engine) timeout 400 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or four_steps" \

@@ -207,10 +207,10 @@ def random_gdn_inputs(B: int, T: int, H: int, d: int, seed: int = 0):
 def gdn_probe_shapes() -> tuple[bool, tuple[tuple[int, int], ...], int, int]:
     """(on a GPU, ((B, T), ...), heads, head dim) of the GDN kernel probes: the 0.8B's prefill shapes
     1x8192 and 8x1024 with 16 heads of 128 on a GPU; one small shape elsewhere (correctness only)."""
-    import jax
+    from pallas_kernels.common import on_gpu
 
-    on_gpu = jax.default_backend() == "gpu"
-    return (on_gpu, ((1, 8192), (8, 1024)), 16, 128) if on_gpu else (on_gpu, ((1, 128),), 2, 32)
+    gpu = on_gpu()
+    return (gpu, ((1, 8192), (8, 1024)), 16, 128) if gpu else (gpu, ((1, 128),), 2, 32)
 
 
 def ensure_triton_cache_dir() -> None:
