@@ -205,14 +205,16 @@ def _unit_lower_inverse(a):
     return inv
 
 
-def _chunk_inverse(k_ref, g_ref, beta_ref, gam_ref, b, h, hk, c, dtype):
-    """The chunk's raw key tiles, inverse key norms, β, cumulative log decays γ (also stored) and the
-    blocked (I+A)⁻¹ as {(i, j): [SUB, SUB]} for i >= j: shared by both prep forms.
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
+    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk.
 
-    Keys stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the decays are
-    per-row scales folded into the [SUB, SUB] tiles: A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ) with n
-    the inverse key norms. So no [CHUNK, dk] fp32 copies are live across the kernel: r9 held three of
-    them and took 250 µs a layer at 8192 tokens (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    Keys and values stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the
+    decays are per-row scales folded into the [SUB, SUB] tiles: A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ)
+    with n the inverse key norms, U_i = Σ_j (T_ij β_j) V_j, W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j. So no
+    [CHUNK, dk] fp32 copies are live across the kernel: r9 held three of them and took 250 µs a layer at
+    8192 tokens (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
     nsub = CHUNK // SUB
     rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
     ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
@@ -243,61 +245,17 @@ def _chunk_inverse(k_ref, g_ref, beta_ref, gam_ref, b, h, hk, c, dtype):
             # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
             acc = sum(_dot(A[i, m], inv[m, j], f32) for m in range(j, i))
             inv[i, j] = -_dot(inv[i, i], acc, f32)
-    return rows, ks, inv_norm, betas, gam, inv, offset  # offset: γ_last
-
-
-def _store_kd(kd_ref, b, h, rows, kd, kd_t):
-    """Kd rows into [B, Tp, Hv, dk], or (kd_t) transposed into [B, Hv, dk, Tp], the scan's operand layout."""
-    if kd_t:
-        kd_ref[b, h, :, rows] = kd.T.astype(kd_ref.dtype)
-    else:
-        kd_ref[b, rows, h, :] = kd.astype(kd_ref.dtype)
-
-
-def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype, kd_t=False):
-    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk, with
-    U_i = Σ_j (T_ij β_j) V_j, W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j on [SUB, SUB] x [SUB, d] tiles."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, ks, inv_norm, betas, gam, inv, last = _chunk_inverse(k_ref, g_ref, beta_ref, gam_ref, b, h, h // group, c,
-                                                               dtype)
-    nsub = len(rows)
     w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
         u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
         w = sum(_dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
         u_ref[b, rows[i], h, :] = u.astype(u_ref.dtype)
         w_ref[b, rows[i], h, :] = w.astype(w_ref.dtype)
-        _store_kd(kd_ref, b, h, rows[i], ks[i].astype(f32) * (inv_norm[i] * jnp.exp(last - gam[i]))[:, None], kd_t)
+        kd = ks[i].astype(f32) * (inv_norm[i] * jnp.exp(offset - gam[i]))[:, None]  # offset = γ_last
+        kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
 
 
-def _solve_kernel(k_ref, g_ref, beta_ref, ai_ref, gam_ref, *, group, dtype):
-    """Split prep, first half: one (row, value head, chunk)'s γ and (I+A)⁻¹, stored whole as [CHUNK, CHUNK]
-    rows of ai [B, Tp, Hv, CHUNK] fp32 (zeros above the diagonal), so `_wu_kernel` can load it as one
-    tile: Pallas on Triton cannot join [SUB, SUB] blocks into a larger tile in registers."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, _, _, _, _, inv, _ = _chunk_inverse(k_ref, g_ref, beta_ref, gam_ref, b, h, h // group, c, dtype)
-    zero = jnp.zeros((SUB, SUB), f32)
-    for i in range(len(rows)):
-        for j in range(len(rows)):
-            ai_ref[b, rows[i], h, pl.ds(j * SUB, SUB)] = inv[i, j] if j <= i else zero
-
-
-def _wu_kernel(k_ref, v_ref, beta_ref, gam_ref, ai_ref, w_ref, u_ref, kd_ref, *, group, dtype, kd_t=False):
-    """Split prep, second half: one (row, value head, chunk)'s U = (T ⊙ β)V, W = (T ⊙ βne^γ)K as whole-chunk
-    [CHUNK, CHUNK] x [CHUNK, d] products, and Kd = n e^{γ_last-γ} K."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(c * CHUNK, CHUNK)
-    k = k_ref[b, rows, h // group, :]
-    inv_norm = lax.rsqrt(jnp.sum(jnp.square(k.astype(f32)), axis=-1) + 1e-6)
-    beta, gam = beta_ref[b, rows, h], gam_ref[b, rows, h]
-    t = ai_ref[b, rows, h, :]
-    u_ref[b, rows, h, :] = _dot(t * beta[None, :], v_ref[b, rows, h, :], dtype).astype(u_ref.dtype)
-    w_ref[b, rows, h, :] = _dot(t * (beta * inv_norm * jnp.exp(gam))[None, :], k, dtype).astype(w_ref.dtype)
-    last = gam_ref[b, c * CHUNK + CHUNK - 1, h]
-    _store_kd(kd_ref, b, h, rows, k.astype(f32) * (inv_norm * jnp.exp(last - gam))[:, None], kd_t)
-
-
-def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch, kd_t=False):
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
     state and V' for the parallel output kernel.
@@ -312,24 +270,21 @@ def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *
 
     def load(n):
         rows = pl.ds(n * CHUNK, CHUNK)
-        kd = kd_ref[b, h, :, rows] if kd_t else kd_ref[b, rows, h, :].T  # Kdᵀ [dk, C]
-        return w_ref[b, rows, h, :], u_ref[b, rows, h, cols], kd, gam_ref[b, n * CHUNK + CHUNK - 1, h]
+        return (w_ref[b, rows, h, :], u_ref[b, rows, h, cols], kd_ref[b, rows, h, :],
+                gam_ref[b, n * CHUNK + CHUNK - 1, h])
 
     def chunk(n, carry):
         S, loaded = carry
         ahead = load(jnp.minimum(n + 1, N - 1)) if prefetch else None
-        w, u, kdt, g_last = loaded if prefetch else load(n)
+        w, u, kd, g_last = loaded if prefetch else load(n)
         rows = pl.ds(n * CHUNK, CHUNK)
         h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
         v_new = u.astype(f32) - _dot(w, S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        return S * jnp.exp(g_last) + _dot(kdt, v_new, dtype), ahead
+        return S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype), ahead
 
     S0 = s0_ref[b, h, :, cols].astype(f32)
     sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
-
-
-PREP_FORMS = ("fused", "split")
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -375,8 +330,7 @@ class OutputGate(NamedTuple):
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       prep_form: str = "fused", kd_transposed: bool = False):
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
@@ -388,8 +342,6 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
     165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
     (bench/results/gdn-prep-probe_gpu_20261201.json)."""
-    if prep_form not in PREP_FORMS:
-        raise ValueError(f"prep_form must be one of {PREP_FORMS}, got {prep_form!r}")
     prep_warps, scan_warps, out_warps = warps
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -406,30 +358,16 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     interpret = interpret_default(interpret)
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
-    kd_shape = (B, Hv, dkp, Tp) if kd_transposed else (B, Tp, Hv, dkp)
-    wu_shapes = (sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds(kd_shape, dtype))
-    grid = (B, Hv, N)
-    if prep_form == "fused":
-        w, u, kd, gam = pl.pallas_call(
-            functools.partial(_prep_kernel, group=group, dtype=dtype, kd_t=kd_transposed),
-            out_shape=(*wu_shapes, sds((B, Tp, Hv), f32)), grid=grid, interpret=interpret,
-            compiler_params=triton_params(prep_warps),
-        )(k, v, g, beta)
-    else:
-        ai, gam = pl.pallas_call(
-            functools.partial(_solve_kernel, group=group, dtype=dtype),
-            out_shape=(sds((B, Tp, Hv, CHUNK), f32), sds((B, Tp, Hv), f32)), grid=grid, interpret=interpret,
-            compiler_params=triton_params(prep_warps),
-        )(k, g, beta)
-        w, u, kd = pl.pallas_call(
-            functools.partial(_wu_kernel, group=group, dtype=dtype, kd_t=kd_transposed),
-            out_shape=wu_shapes, grid=grid, interpret=interpret, compiler_params=triton_params(4),
-        )(k, v, beta, gam, ai)
+    w, u, kd, gam = pl.pallas_call(
+        functools.partial(_prep_kernel, group=group, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv, dkp), dtype),
+                   sds((B, Tp, Hv), f32)),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
+    )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
     scan_programs = B * Hv * (dvp // BV)
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS,
-                          kd_t=kd_transposed),
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
     )(w, u, kd, gam, s0)
