@@ -38,6 +38,7 @@ class EngineConfig:
     prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
     compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
       cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
+      Programs that compiled in >= $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5) are kept.
     async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
       the device (vLLM's async scheduling); same outputs. Without MTP drafts and PD only. None (default):
       on wherever it can be (num_speculative_tokens=0 and pd=False); on the H200 it cut a 0.8B decode

@@ -171,21 +171,28 @@ def test_default_bf16_config_serves_like_fp32():
 
 def test_persistent_compilation_cache_switch(tmp_path, monkeypatch):
     """Off with an empty $JAXGDN_CACHE_DIR; on at the given directory otherwise; a directory the user
-    configured in JAX first is left alone."""
+    configured in JAX first is left alone; $JAXGDN_CACHE_MIN_COMPILE_S sets which programs are kept."""
     import jax
 
     from jaxgdn.runner import enable_compilation_cache
 
-    before = jax.config.jax_compilation_cache_dir
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
         jax.config.update("jax_compilation_cache_dir", None)
         monkeypatch.setenv("JAXGDN_CACHE_DIR", "")
         assert enable_compilation_cache() is None and not jax.config.jax_compilation_cache_dir
         monkeypatch.setenv("JAXGDN_CACHE_DIR", str(tmp_path / "a"))
+        monkeypatch.setenv("JAXGDN_CACHE_MIN_COMPILE_S", "0")  # cache every program
         assert enable_compilation_cache() == str(tmp_path / "a") == jax.config.jax_compilation_cache_dir
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
         assert enable_compilation_cache(str(tmp_path / "b")) == str(tmp_path / "a")  # already chosen
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.delenv("JAXGDN_CACHE_MIN_COMPILE_S")
+        enable_compilation_cache(str(tmp_path / "c"))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5  # the default floor
     finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
 def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():

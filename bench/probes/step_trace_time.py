@@ -1,0 +1,56 @@
+"""Probe: host seconds to trace and lower the engine's step programs (what a warm start still pays with
+every compiled program in the persistent cache: JAX keys the cache on the lowered module).
+
+    python bench/probes/step_trace_time.py [MODEL] [K]      # any backend; default 0.8B preset, K = 1
+
+Runs `bench startup`'s workload (8 prompts of 64 tokens, 16 tokens each, MTP K drafts) and, for each new
+step program the engine launches, times `jit.trace` and `.lower()` of it in place of the launch's compile
+(the programs are then run as usual). Prints one line per program and the totals.
+"""
+
+import sys
+import time
+
+import numpy as np
+
+from jaxgdn.bench.model import load_model, make_engine
+from jaxgdn.request import SamplingParams
+
+
+def main(model="qwen3.5-0.8b", k=1):
+    params, cfg = load_model(model, include_mtp=k > 0)
+    eng = make_engine(params, cfg, batch=8, max_model_len=64 + 16 + 8, max_batched=8 * 64, K=k)
+    runner = eng.runner
+    seen, totals = set(), [0.0, 0.0]
+    launch = runner._launch
+
+    def timed_launch(step_input, layout, stochastic, num_steps=1, whole_prompts=False):
+        key = (step_input.shape, layout, stochastic, num_steps, whole_prompts)
+        if key not in seen:
+            seen.add(key)
+            size = step_input.shape[0]
+            resident = runner._resident_inputs.get(size)
+            resident = np.zeros(size + 1, np.int32) if resident is None else resident
+            t0 = time.perf_counter()
+            traced = runner._step.trace(runner.params, runner.state, resident, step_input, layout, stochastic,
+                                        num_steps, whole_prompts)
+            t1 = time.perf_counter()
+            traced.lower()
+            t2 = time.perf_counter()
+            totals[0] += t1 - t0
+            totals[1] += t2 - t1
+            print(f"program {len(seen)}: {size} input words, {num_steps} step(s): trace {t1 - t0:.2f} s, "
+                  f"lower {t2 - t1:.2f} s", flush=True)
+        return launch(step_input, layout, stochastic, num_steps, whole_prompts)
+
+    runner._launch = timed_launch
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for _ in range(8):
+        eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, 64)], sp)
+    eng.run_until_done()
+    print(f"total: trace {totals[0]:.2f} s, lower {totals[1]:.2f} s over {len(seen)} programs")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b", int(sys.argv[2]) if len(sys.argv) > 2 else 1)
