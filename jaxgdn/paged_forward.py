@@ -9,6 +9,7 @@ steps neither decay nor write, and their slots are the null slot.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -197,51 +198,71 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     if rows_are_flat is None:
         rows_are_flat = (Q == 1 or R == 1) and R * Q <= T
     trunk_ids = input_ids[: R * Q] if rows_are_flat else input_ids
-    if rows_are_flat:
-        to_rows = lambda x: x.reshape(R, Q, *x.shape[1:])  # noqa: E731
-        to_flat = lambda y: y.reshape(R * Q, *y.shape[2:])  # noqa: E731
-    else:
-        cell = jnp.clip(view.token_index, 0, T - 1)
-        to_rows = lambda x: x[cell]  # noqa: E731  [T, ...] -> [R, Q, ...]
+    token_cell = None
+    if not rows_are_flat:
         # Back to flat tokens by a gather, not a scatter: each flat token reads its cell (R*Q: none, zeros).
         # The inverse map is one small int scatter per step; XLA's scatter of the activations cost 67 us a
         # layer at 8x1024 on the H200 (input_scatter_fusion in prefill-r9's profile).
         flat_index = jnp.where(view.valid, view.token_index, T).reshape(-1)
         token_cell = jnp.full((T,), R * Q, jnp.int32).at[flat_index].set(jnp.arange(R * Q, dtype=jnp.int32),
                                                                          mode="drop")
-        to_flat = lambda y: jnp.take(y.reshape(R * Q, *y.shape[2:]), token_cell, axis=0, mode="fill",  # noqa: E731
-                                     fill_value=0)
     # Norms and MLPs run on the flat tokens; only the token mixers see the [R, Q] view, whose padding
     # (R*Q can be several times T in a mixed prefill/decode step) would otherwise multiply their cost.
     x = params.embed_tokens[jnp.clip(trunk_ids, 0, cfg.vocab_size - 1)]  # [T or R*Q, H]
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
-        p = params.layers[i]
-        layer_state = state.layers[i]
-        if layer_type == FULL_ATTENTION:
-
-            def mixer_rows(h, p=p, s=layer_state):
-                return paged_attention(p.mixer, cfg, h, view, s, attention_impl, whole_prompts)
-        else:
-
-            def mixer_rows(h, p=p, s=layer_state):
-                return gdn_rows(p.mixer, cfg, h, view, s, state.num_accepted, gdn_impl)
-
-        def mixer(h_flat, mixer_rows=mixer_rows):
-            out, new_state = mixer_rows(to_rows(h_flat))
-            return to_flat(out), new_state
-
-        x, new_state = residual_block(p, cfg, x, mixer)
+        x, new_state = _paged_layer(params.layers[i], x, state.layers[i], view, state.num_accepted, token_cell,
+                                    cfg=cfg, attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
+                                    attention_impl=attention_impl, whole_prompts=whole_prompts)
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     hidden_flat = jnp.pad(hidden, [(0, T - hidden.shape[0]), (0, 0)])
-    return hidden_flat, to_rows(hidden), EngineState(
+    return hidden_flat, _row_maps(view, hidden.shape[0], token_cell)[0](hidden), EngineState(
         layers=tuple(new_layers),
         mtp_layers=state.mtp_layers,
         last_sampled=state.last_sampled,
         draft_tokens=state.draft_tokens,
         num_accepted=state.num_accepted,
     )
+
+
+def _row_maps(view: RowView, num_tokens: int, token_cell):
+    """(to_rows, to_flat) between flat tokens [N, ...] and the [R, Q] view [R, Q, ...]: reshapes when
+    token_cell is None (N = R*Q), else a gather each way (N = T; token_cell [T] each flat token's cell,
+    R*Q for none, whose tokens come back as zeros)."""
+    R, Q = view.token_index.shape
+    if token_cell is None:
+        return (lambda x: x.reshape(R, Q, *x.shape[1:]), lambda y: y.reshape(R * Q, *y.shape[2:]))
+    cell = jnp.clip(view.token_index, 0, num_tokens - 1)
+    return (lambda x: x[cell],
+            lambda y: jnp.take(y.reshape(R * Q, *y.shape[2:]), token_cell, axis=0, mode="fill", fill_value=0))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "whole_prompts"))
+def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, cfg: ModelConfig, attention: bool,
+                 gdn_impl: str, attention_impl: str, whole_prompts: bool):
+    """One decoder layer of `forward_paged` on flat tokens x [N, H] (N = R*Q when token_cell is None: the
+    rows are the flat tokens reshaped; else N = T and token_cell [T] is each flat token's cell of the
+    [R, Q] view, R*Q for none). Returns (x, the layer's new state).
+
+    Its own jit, called inside the step's trace: all layers of a kind share one traced and lowered
+    function instead of tracing and lowering the layer (and every Pallas kernel in it, each lowered to
+    Triton IR) once per layer per step. The step program then calls it (HLO `call`), which XLA inlines
+    before it optimizes, so the compiled step is unchanged. A warm start (persistent cache) pays that
+    tracing and lowering every time: 18 chunked GDN calls in one program take 1.6 s to trace and 2.7 s to
+    lower against 0.09 and 0.15 s through one nested jit, on 2 CPU cores lowering for CUDA
+    (bench/probes/step_trace_time.py --pallas-sites 18)."""
+    to_rows, to_flat = _row_maps(view, x.shape[0], token_cell)
+
+    def mixer(h_flat):
+        h = to_rows(h_flat)
+        if attention:
+            out, new_state = paged_attention(p.mixer, cfg, h, view, layer_state, attention_impl, whole_prompts)
+        else:
+            out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl)
+        return to_flat(out), new_state
+
+    return residual_block(p, cfg, x, mixer)
 
 
 def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple,

@@ -283,6 +283,55 @@ def test_flat_steps_reshape_instead_of_gathering_and_match_the_general_path(monk
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
+    """forward_paged calls each layer through its own jit (_paged_layer), so the step's lowered module
+    holds one function per layer kind, called once per layer, and the compiled step is the same program as
+    with the layers traced inline: XLA inlines the calls (no call left, same instruction counts)."""
+    import collections
+    import functools
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgdn import paged_forward
+    from jaxgdn import runner as runner_module
+    from jaxgdn.runner import pack_step_arrays
+
+    eng = engine()
+    seen = []
+    dispatch = eng.runner.dispatch
+    eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
+    eng.add_request(prompt(620, 5), SamplingParams(temperature=0, max_tokens=2))
+    eng.add_request(prompt(621, 3), SamplingParams(temperature=0, max_tokens=2))
+    eng.step()
+    buf, layout = pack_step_arrays(seen[0])
+    args = (eng.runner.params, eng.runner.state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf), layout, False)
+
+    def lowered_and_compiled():
+        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
+                                         input_impl="xla", unguarded=False), static_argnums=(4, 5))
+        lowered = step.lower(*args)
+        return lowered.as_text(), lowered.compile().as_text()
+
+    nested_module, nested = lowered_and_compiled()
+    kinds = collections.Counter(CFG.layer_types)
+    layer_funcs = set(re.findall(r"func\.func private @(_paged_layer\w*)", nested_module))
+    assert len(layer_funcs) == len(kinds), layer_funcs  # one lowered function per layer kind
+    assert len(re.findall(r"call @_paged_layer", nested_module)) == len(CFG.layer_types)
+    inline = paged_forward._paged_layer.__wrapped__
+    monkeypatch.setattr(paged_forward, "_paged_layer", lambda *a, **k: inline(*a, **k))
+    flat_module, flat = lowered_and_compiled()
+    assert "_paged_layer" not in flat_module
+
+    def opcodes(hlo):  # instruction opcodes of the optimized module, names and shapes dropped
+        return collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", hlo))
+
+    assert opcodes(flat)["fusion"] > 10 and opcodes(flat)["dot"] + opcodes(flat)["fusion"] > 20  # a real program
+    assert opcodes(nested)["call"] == 0
+    assert opcodes(nested) == opcodes(flat)
+
+
 def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference():
     """Each step copies its input into one resident device buffer per size, which the step donates and
     returns (XLA's CUDA graphs keep their buffer addresses); its address must not change from step to step,

@@ -2,10 +2,15 @@
 every compiled program in the persistent cache: JAX keys the cache on the lowered module).
 
     python bench/probes/step_trace_time.py [MODEL] [K]      # any backend; default 0.8B preset, K = 1
+    python bench/probes/step_trace_time.py --pallas-sites N    # N chunked GDN calls lowered for CUDA
 
 Runs `bench startup`'s workload (8 prompts of 64 tokens, 16 tokens each, MTP K drafts) and, for each new
 step program the engine launches, times `jit.trace` and `.lower()` of it in place of the launch's compile
 (the programs are then run as usual). Prints one line per program and the totals.
+
+--pallas-sites: one program with N `gdn_chunked_pallas` calls in a chain (0.8B heads, 8x64 tokens), traced
+and lowered for CUDA (works without a GPU), once with each call traced inline and once with the calls
+going through one nested jit: what every Pallas call site costs a start-up and what sharing saves.
 """
 
 import sys
@@ -52,5 +57,39 @@ def main(model="qwen3.5-0.8b", k=1):
     print(f"total: trace {totals[0]:.2f} s, lower {totals[1]:.2f} s over {len(seen)} programs")
 
 
+def pallas_sites(n: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gdn_pallas import gdn_chunked_pallas
+
+    def sds(*shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def chain(call):
+        def program(q, k, v, g, beta, s):
+            out = 0
+            for _ in range(n):
+                o, s = call(q, k, v, g, beta, s)
+                out = out + o
+            return out, s
+        return program
+
+    small = (sds(1, 64, 2, 32, dtype=jnp.bfloat16),) * 3 + (sds(1, 64, 2), sds(1, 64, 2), sds(1, 2, 32, 32))
+    kernel = lambda *a: gdn_chunked_pallas(*a, interpret=False)  # noqa: E731
+    jax.jit(kernel).trace(*small).lower(lowering_platforms=("cuda",))  # imports and first-use costs
+    args = (sds(8, 64, 16, 128, dtype=jnp.bfloat16),) * 3 + (sds(8, 64, 16), sds(8, 64, 16), sds(8, 16, 128, 128))
+    for name, call in (("inline", kernel), ("nested jit", jax.jit(kernel))):
+        t0 = time.perf_counter()
+        traced = jax.jit(chain(call)).trace(*args)
+        t1 = time.perf_counter()
+        traced.lower(lowering_platforms=("cuda",))
+        t2 = time.perf_counter()
+        print(f"{n} chunked GDN calls, {name}: trace {t1 - t0:.2f} s, lower {t2 - t1:.2f} s", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b", int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    if sys.argv[1:2] == ["--pallas-sites"]:
+        pallas_sites(int(sys.argv[2]))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b", int(sys.argv[2]) if len(sys.argv) > 2 else 1)
