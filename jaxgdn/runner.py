@@ -249,8 +249,12 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
     # is 1 s). 0 also caches the dozen small helper programs of a start-up (casts, concatenates): on 2 CPU
     # cores with the shipped model that took a warm start from 5.5 to 4.2 s; on the H200 see
     # bench/results/startup-min-compile*_gpu_20261201.json.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0.5")))
+    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0.5")
+    try:
+        floor_s = float(floor)
+    except ValueError:
+        raise ValueError(f"$JAXGDN_CACHE_MIN_COMPILE_S must be a number of seconds, got {floor!r}") from None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", floor_s)
     return directory
 
 
