@@ -249,9 +249,9 @@ def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, 
     function instead of tracing and lowering the layer (and every Pallas kernel in it, each lowered to
     Triton IR) once per layer per step. The step program then calls it (HLO `call`), which XLA inlines
     before it optimizes, so the compiled step is unchanged. A warm start (persistent cache) pays that
-    tracing and lowering every time: 18 chunked GDN calls in one program take 1.6 s to trace and 2.7 s to
-    lower against 0.09 and 0.15 s through one nested jit, on 2 CPU cores lowering for CUDA
-    (bench/probes/step_trace_time.py --pallas-sites 18)."""
+    tracing and lowering every time: 18 chunked GDN calls in one program take 1.43 s to trace and 2.55 s
+    to lower against 0.10 and 0.15 s through one nested jit, on 2 CPU cores lowering for CUDA
+    (bench/results/step-trace-time-pallas-sites_cpu_20261201.json)."""
     to_rows, to_flat = _row_maps(view, x.shape[0], token_cell)
 
     def mixer(h_flat):

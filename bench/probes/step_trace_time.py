@@ -1,8 +1,8 @@
 """Probe: host seconds to trace and lower the engine's step programs (what a warm start still pays with
 every compiled program in the persistent cache: JAX keys the cache on the lowered module).
 
-    python bench/probes/step_trace_time.py [MODEL] [K]      # any backend; default 0.8B preset, K = 1
-    python bench/probes/step_trace_time.py --pallas-sites N    # N chunked GDN calls lowered for CUDA
+    python bench/probes/step_trace_time.py [--model M] [--k K] [--out OUT.json]   # default 0.8B preset, K = 1
+    python bench/probes/step_trace_time.py --pallas-sites N [--out OUT.json]     # N chunked GDN calls, for CUDA
 
 Runs `bench startup`'s workload (8 prompts of 64 tokens, 16 tokens each, MTP K drafts) and, for each new
 step program the engine launches, times `jit.trace` and `.lower()` of it in place of the launch's compile
@@ -13,11 +13,13 @@ and lowered for CUDA (works without a GPU), once with each call traced inline an
 going through one nested jit: what every Pallas call site costs a start-up and what sharing saves.
 """
 
-import sys
+import argparse
+import json
 import time
 
 import numpy as np
 
+from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import load_model, make_engine
 from jaxgdn.request import SamplingParams
 
@@ -55,9 +57,10 @@ def main(model="qwen3.5-0.8b", k=1):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, 64)], sp)
     eng.run_until_done()
     print(f"total: trace {totals[0]:.2f} s, lower {totals[1]:.2f} s over {len(seen)} programs")
+    return [{"model": model, "K": k, "programs": len(seen), "trace_s": totals[0], "lower_s": totals[1]}]
 
 
-def pallas_sites(n: int) -> None:
+def pallas_sites(n: int) -> list:
     import jax
     import jax.numpy as jnp
 
@@ -79,6 +82,7 @@ def pallas_sites(n: int) -> None:
     kernel = lambda *a: gdn_chunked_pallas(*a, interpret=False)  # noqa: E731
     jax.jit(kernel).trace(*small).lower(lowering_platforms=("cuda",))  # imports and first-use costs
     args = (sds(8, 64, 16, 128, dtype=jnp.bfloat16),) * 3 + (sds(8, 64, 16), sds(8, 64, 16), sds(8, 16, 128, 128))
+    rows = []
     for name, call in (("inline", kernel), ("nested jit", jax.jit(kernel))):
         t0 = time.perf_counter()
         traced = jax.jit(chain(call)).trace(*args)
@@ -86,10 +90,18 @@ def pallas_sites(n: int) -> None:
         traced.lower(lowering_platforms=("cuda",))
         t2 = time.perf_counter()
         print(f"{n} chunked GDN calls, {name}: trace {t1 - t0:.2f} s, lower {t2 - t1:.2f} s", flush=True)
+        rows.append({"pallas_sites": n, "form": name, "trace_s": t1 - t0, "lower_s": t2 - t1})
+    return rows
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--pallas-sites"]:
-        pallas_sites(int(sys.argv[2]))
-    else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "qwen3.5-0.8b", int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3.5-0.8b")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--pallas-sites", type=int, default=None, metavar="N")
+    ap.add_argument("--out", default=None, help="write the rows and the environment as JSON")
+    args = ap.parse_args()
+    rows = pallas_sites(args.pallas_sites) if args.pallas_sites else main(args.model, args.k)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "step-trace-time-probe", "rows": rows, "env": environment()}, f, indent=1)
