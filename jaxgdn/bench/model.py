@@ -111,8 +111,11 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     call and `warm` compile/warm-up launches, summed, over the tokens per row whose results they brought
     back. `steps` is rounded up to whole launches (a launch may run several decode steps:
     decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
-    trace the last 5 engine.step() calls (host work included) into profile_dir + "-engine" and 5 replayed
-    device launches into profile_dir, and summarise their kernels and host runtime events.
+    trace 5 more engine.step() calls after the timed ones (host work included) into profile_dir + "-engine"
+    and 5 replayed device launches into profile_dir, and summarise their kernels and host runtime events.
+    Traced calls stay out of the timed window: under the profiler (CUPTI) a batch-1 launch dispatched in
+    ~1.9 ms instead of ~0.45, and when they were timed (before 2026-12-01 r12) a profiled run read 1.43
+    ms/step at batch 1 against 0.87 unprofiled (decode-r12-profiled vs decode-r11).
 
     Why results brought back and not tokens launched: with async scheduling the launch dispatched by the
     last untimed call is on the device when the timed window opens, so the window holds its device time;
@@ -129,7 +132,9 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
                   decode_steps_per_launch=decode_steps_per_launch)
     per_launch = bench_engine_config(max_model_len=prompt_len + 1, **config).resolved_decode_steps(
         jax.default_backend())
-    decode_tokens = per_launch * (warm + -(-steps // per_launch))  # whole launches after the prompt's token
+    traced_launches = 5 if profile_dir else 0
+    # whole launches after the prompt's token: warm-up, timed, traced
+    decode_tokens = per_launch * (warm + -(-steps // per_launch) + traced_launches)
     eng = make_engine(params, cfg, max_model_len=prompt_len + 1 + decode_tokens + 8, **config)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
@@ -139,26 +144,27 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     def tokens_back():  # output tokens whose values reached the host, over all requests
         return sum(sum(t != PLACEHOLDER_TOKEN for t in r.output_token_ids) for r in eng.requests.values())
 
-    times, t_first, before = [], time.perf_counter(), None
-    traced, tracing_on = 0, False
+    times, t_first, before, after = [], time.perf_counter(), None, None
+    traced = 0
     with contextlib.ExitStack() as tracing:
         while eng.has_unfinished:
             # the prompt call and `warm` decode calls (they compile and warm the decode program) are not timed
             if len(times) == 1 + warm:
                 before, tokens_before, first_timed = dict(eng.timings), tokens_back(), len(times)
-            # trace the last ~5 calls: real steps, host preparation included
-            if profile_dir and not tracing_on and eng.num_steps >= decode_tokens - 5 * per_launch:
+            # the timed window closes where the traced calls (real steps, host preparation included) begin
+            if traced_launches and after is None and eng.num_steps >= decode_tokens - traced_launches * per_launch:
+                after = dict(eng.timings), tokens_back(), len(times)
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
-                tracing_on = True
-            traced += tracing_on
+            traced += after is not None
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-    if before is None or tokens_back() == tokens_before:
+    timings_after, tokens_after, last_timed = after or (dict(eng.timings), tokens_back(), len(times))
+    if before is None or tokens_after <= tokens_before:
         raise ValueError(f"--steps {steps}: no decode step left to time after {warm} warm-up calls")
-    decode = times[first_timed:]
-    decode_steps = (tokens_back() - tokens_before) / batch  # model steps whose token per row came back
-    phases = {k: (v - before.get(k, 0.0)) / decode_steps * 1e3 for k, v in eng.timings.items()}
+    decode = times[first_timed:last_timed]
+    decode_steps = (tokens_after - tokens_before) / batch  # model steps whose token per row came back
+    phases = {k: (v - before.get(k, 0.0)) / decode_steps * 1e3 for k, v in timings_after.items()}
     generated = tokens_back()
     out = {"async_scheduling": eng.async_scheduling, "decode_steps_per_launch": per_launch,
            "ms_per_step": sum(decode) / decode_steps * 1e3, "ms_per_call_median": statistics.median(decode) * 1e3,
