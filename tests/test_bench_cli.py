@@ -25,6 +25,11 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
     assert [r["kind"] for r in d["rows"]] == ["prefill", "decode", "verify"]
     for r in d["rows"]:
         assert r["ours_ms"] > 0 and r["ours_vs_xla_rel_err"] < 1e-2  # bf16 operands vs the fp32 XLA forms
+        assert r["ours_device_us"] > 0  # the profiled call's busy time (host events on a CPU)
+        assert "fla_device_us" not in r  # no fla on a CPU: no peer figure made up
+    from jaxgdn.bench.tables import kernels_table
+
+    assert "ours kernels µs" in kernels_table(d)[0]
 
 
 @pytest.mark.parametrize("command, extra", [

@@ -180,6 +180,27 @@ def profile_calls(fn, *args, iters: int = 10, divide_by: int | None = None) -> d
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
+def torch_kernel_us(call, iters: int = 10) -> dict:
+    """Device microseconds per `call()` of each CUDA kernel it launches (torch's profiler, after one warm
+    call), name -> µs. Run it after every JAX profile of the process: once torch's profiler has held CUPTI,
+    JAX's can no longer subscribe (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            out[e.key[:80]] = t / iters
+    return out
+
+
 def probe_row(row: dict, measure, quiet: tuple[str, ...] = ()) -> dict:
     """A probe's row for one form or setting: `row` updated with measure()'s dict, or with the error as
     row["failed"] when the form does not compile (a result too); printed without the `quiet` keys, and

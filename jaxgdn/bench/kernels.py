@@ -4,13 +4,20 @@ Prefill: `gdn_chunked_pallas` vs fla `chunk_gated_delta_rule` (and our XLA chunk
 Decode / verify: `gdn_recurrent_pallas` (T = 1, and T = 1+K writing a checkpoint per position) vs fla
 `fused_recurrent_gated_delta_rule` (which writes only the final state). Both sides are checked against
 each other before they are timed: a kernel that is fast and wrong is reported as wrong.
+
+Two times per side: ms per call issued back to back from Python (what a caller sees, launch path
+included; fla's varies between runs at short shapes) and the summed device time of the kernels one call
+runs (JAX's profiler for ours, torch's for fla, each call's kernels only: no launch gaps). The device
+ratio compares the kernels themselves. The profiles run after every timed row (a profiler attached to
+the process may slow later launches) and fla's after all of ours (see torch_kernel_us).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, time_jax, time_torch
+from .common import (ensure_triton_cache_dir, measured_bandwidth_gbs, profile_calls, time_jax, time_torch,
+                     torch_kernel_us)
 
 PREFILL_SHAPES = ((1, 4096), (1, 16384), (8, 2048))
 DECODE_SHAPES = ((1, 1), (64, 1), (64, 2), (64, 3), (64, 4))
@@ -59,6 +66,7 @@ def bench_kernels(args) -> dict:
     bw = measured_bandwidth_gbs(args.bandwidth_bytes)
     print(f"measured bandwidth: {bw:.0f} GB/s (bf16 elementwise read+write)")
     rows = []
+    profiled = []  # (row, our jitted call and its arguments, fla's call or None): profiled after the timing
 
     def to_jax(x, bf16):
         return jnp.asarray(x, jnp.bfloat16 if bf16 else jnp.float32)
@@ -111,6 +119,7 @@ def bench_kernels(args) -> dict:
                                                  _rel_err(s, fs.float().cpu().numpy()))
                 row["fla_ms"] = time_torch(fla_call, iters=100 if kind != "prefill" else 20)
             row["ratio_ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+        profiled.append((row, (ours, jq, jk, jv, jg, jb, js), fla_call if have_fla else None))
         rows.append(row)
         args.save_partial(payload())
         fla = f"fla {row['fla_ms']:.3f} ms  ratio {row['ratio_ours_over_fla']:.2f}" if have_fla else "fla -"
@@ -121,11 +130,33 @@ def bench_kernels(args) -> dict:
 
     def payload():
         return {"benchmark": "kernels", "bandwidth_gbs": bw, "dtype": "bf16 q/k/v, fp32 g/beta/state",
-                "timing": "ms per call, back-to-back calls, median of 5 runs (launch overhead included)",
+                "timing": "ms per call, back-to-back calls, median of 5 runs (launch overhead included); "
+                          "*_device_us: summed device time of one call's kernels (profilers)",
                 "rows": rows}
 
     for B, T in args.prefill_shapes or PREFILL_SHAPES:
         run_case("prefill", B, T)
     for B, T in args.decode_shapes or DECODE_SHAPES:
         run_case("decode" if T == 1 else "verify", B, T)
+    for row, ours_call, _ in profiled:
+        row["ours_device_us"] = device_us(lambda: profile_calls(*ours_call)["busy_us"])
+    for row, _, fla_call in profiled:
+        if fla_call is not None:
+            with torch.no_grad():
+                row["fla_device_us"] = device_us(lambda: sum(torch_kernel_us(fla_call).values()))
+            if row["ours_device_us"] and row["fla_device_us"]:
+                row["device_ratio_ours_over_fla"] = row["ours_device_us"] / row["fla_device_us"]
+        print(f"{row['kind']:8s} B{row['B']:<3d} T{row['T']:<6d} kernels: ours {row['ours_device_us']} us  "
+              f"fla {row.get('fla_device_us')} us  ratio {row.get('device_ratio_ours_over_fla')}", flush=True)
     return payload()
+
+
+def device_us(measure):
+    """measure() rounded to 0.1 µs, or None when the profiler gives nothing (the row keeps its other
+    figures: a profiler that cannot attach must not lose the timed results)."""
+    try:
+        us = measure()
+    except Exception as e:  # noqa: BLE001
+        print(f"device time unavailable: {type(e).__name__}: {e}")
+        return None
+    return round(us, 1) if us else None

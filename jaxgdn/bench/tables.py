@@ -29,10 +29,21 @@ KERNEL_KIND = {"prefill": "chunked prefill", "decode": "decode", "verify": "veri
 
 
 def kernels_table(d: dict) -> list[str]:
-    return _table(["kernel", "B", "T", "ours ms", "fla ms", "ours / fla", "roofline ms", "rel. err vs fla"], d["rows"],
-                  lambda r: [KERNEL_KIND[r["kind"]], str(r["B"]), str(r["T"]), _fmt(r["ours_ms"]), _fmt(r.get("fla_ms")),
-                             _fmt(r.get("ratio_ours_over_fla"), ".2f"), _fmt(r["roofline_ms"]),
-                             _fmt(r.get("ours_vs_fla_rel_err"), ".1e")])
+    headers = ["kernel", "B", "T", "ours ms", "fla ms", "ours / fla", "roofline ms", "rel. err vs fla"]
+    # results since r12 also sum each call's device kernel time (no launch path): ours / fla of the kernels
+    device = any("ours_device_us" in r for r in d["rows"])
+    if device:
+        headers[6:6] = ["ours kernels µs", "fla kernels µs", "kernels ours / fla"]
+
+    def cells(r):
+        out = [KERNEL_KIND[r["kind"]], str(r["B"]), str(r["T"]), _fmt(r["ours_ms"]), _fmt(r.get("fla_ms")),
+               _fmt(r.get("ratio_ours_over_fla"), ".2f"), _fmt(r["roofline_ms"]), _fmt(r.get("ours_vs_fla_rel_err"), ".1e")]
+        if device:
+            out[6:6] = [_fmt(r.get("ours_device_us"), ".1f"), _fmt(r.get("fla_device_us"), ".1f"),
+                        _fmt(r.get("device_ratio_ours_over_fla"), ".2f")]
+        return out
+
+    return _table(headers, d["rows"], cells)
 
 
 def decode_table(d: dict) -> list[str]:
