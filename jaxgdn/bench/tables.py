@@ -37,7 +37,8 @@ def kernels_table(d: dict) -> list[str]:
 
     def cells(r):
         out = [KERNEL_KIND[r["kind"]], str(r["B"]), str(r["T"]), _fmt(r["ours_ms"]), _fmt(r.get("fla_ms")),
-               _fmt(r.get("ratio_ours_over_fla"), ".2f"), _fmt(r["roofline_ms"]), _fmt(r.get("ours_vs_fla_rel_err"), ".1e")]
+               _fmt(r.get("ratio_ours_over_fla"), ".2f"), _fmt(r["roofline_ms"]),
+               _fmt(r.get("ours_vs_fla_rel_err"), ".1e")]
         if device:
             out[6:6] = [_fmt(r.get("ours_device_us"), ".1f"), _fmt(r.get("fla_device_us"), ".1f"),
                         _fmt(r.get("device_ratio_ours_over_fla"), ".2f")]
