@@ -20,7 +20,7 @@ demo: venv
 	$(PY) -m jaxgdn.generate
 
 # Two workers (pytest-xdist): the suite is mostly XLA compiles, one at a time per process; on a 2-core
-# machine two workers took it from 26 to 20 minutes.
+# machine two workers took it from 26 to 20 minutes (bench/results/test-suite-time_cpu_20261201.json).
 test: venv
 	$(PY) -m pytest -q -n 2 tests
 

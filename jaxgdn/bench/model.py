@@ -113,9 +113,9 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
     trace 5 more engine.step() calls after the timed ones (host work included) into profile_dir + "-engine"
     and 5 replayed device launches into profile_dir, and summarise their kernels and host runtime events.
-    Traced calls stay out of the timed window: under the profiler (CUPTI) a batch-1 launch dispatched in
-    ~1.9 ms instead of ~0.45, and when they were timed (before 2026-12-01 r12) a profiled run read 1.43
-    ms/step at batch 1 against 0.87 unprofiled (decode-r12-profiled vs decode-r11).
+    Traced calls stay out of the timed window: under the profiler (CUPTI) a batch-1 launch of 4 steps
+    dispatched in ~5.9 ms against ~1.4 unprofiled, and when they were timed (before 2026-12-01 r12) a
+    profiled run read 1.43 ms/step at batch 1 against 0.88 unprofiled (decode-r12-profiled vs decode-r12).
 
     Why results brought back and not tokens launched: with async scheduling the launch dispatched by the
     last untimed call is on the device when the timed window opens, so the window holds its device time;
