@@ -150,38 +150,52 @@ class LLMEngine:
         out = self._schedule()
         if not out.rows:
             return out
-        res = self.runner.run(self._prepare(out))
-        self.num_steps += 1
+        # Several verify steps per launch (MTP): the device moves each row on by what it accepted. Not with
+        # the test hook that rewrites drafts between steps, nor on a PD worker (its handoffs).
+        num_steps = 1
+        if self.K and self.draft_override is None and not self.ecfg.pd:
+            num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
+        arrays = self._prepare(out)
+        results = ([self.runner.run(arrays)] if num_steps == 1
+                   else self.runner.fetch(self.runner.dispatch(arrays, num_steps)))
+        self.num_steps += num_steps
         self.num_launches += 1
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(out.rows):
-            req = row.request
-            self._record_inputs(req, req.num_computed, res.input_ids[t : t + row.num_tokens])
+            for res in results:
+                if row.request.status is RequestStatus.FINISHED:  # stopped in an earlier step of the launch
+                    break
+                self._apply_row(row, b, t, res, now)
             t += row.num_tokens
-            n_draft = len(row.spec_tokens)
-            n_sampled = int(res.num_sampled[b])
-            num_rejected = n_draft - (n_sampled - 1) if row.samples else 0
-            req.num_computed += row.num_tokens - num_rejected
-            if row.kind == RowKind.SPEC_VERIFY:
-                self._count_acceptance(req, n_draft, n_sampled - 1)
-            if row.samples:
-                for token in res.tokens[b, :n_sampled]:
-                    req.output_token_ids.append(int(token))
-                    self._finish_if_done(req, int(token), now)
-                    if req.status is RequestStatus.FINISHED:
-                        break
-                if req.status is RequestStatus.RUNNING and self.K:
-                    drafts = [int(d) for d in res.drafts[b]]
-                    req.spec_token_ids = self.draft_override(req, drafts) if self.draft_override else drafts
-                    if self.draft_override:
-                        self.runner.set_drafts(req.slot, req.spec_token_ids)
-            elif req.prefill_only and req.num_computed == req.prefill_len:
-                self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
-                                                        req.prompt_token_ids + [req.next_prompt_token]))
-                self.scheduler.finish(req, "handoff")
         self.timings["update"] += time.perf_counter() - now
         return out
+
+    def _apply_row(self, row, b: int, t: int, res, now: float) -> None:
+        """Synchronous scheduling: one step's results for row b (its tokens from flat index t)."""
+        req = row.request
+        self._record_inputs(req, req.num_computed, res.input_ids[t : t + row.num_tokens])
+        n_draft = len(row.spec_tokens)
+        n_sampled = int(res.num_sampled[b])
+        num_rejected = n_draft - (n_sampled - 1) if row.samples else 0
+        req.num_computed += row.num_tokens - num_rejected
+        if row.kind == RowKind.SPEC_VERIFY:
+            self._count_acceptance(req, n_draft, n_sampled - 1)
+        if row.samples:
+            for token in res.tokens[b, :n_sampled]:
+                req.output_token_ids.append(int(token))
+                self._finish_if_done(req, int(token), now)
+                if req.status is RequestStatus.FINISHED:
+                    break
+            if req.status is RequestStatus.RUNNING and self.K:
+                drafts = [int(d) for d in res.drafts[b]]
+                req.spec_token_ids = self.draft_override(req, drafts) if self.draft_override else drafts
+                if self.draft_override:
+                    self.runner.set_drafts(req.slot, req.spec_token_ids)
+        elif req.prefill_only and req.num_computed == req.prefill_len:
+            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
+                                                    req.prompt_token_ids + [req.next_prompt_token]))
+            self.scheduler.finish(req, "handoff")
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -220,14 +234,14 @@ class LLMEngine:
         discarded. A request whose placeholder is its last allowed token is not scheduled again. When the
         coming schedule could preempt (not enough free pages for every running request's next window),
         the step in flight is applied first: a preempted request is recomputed from its real tokens.
-        A launch of several decode steps (Scheduler.decode_steps) advances each row by its decode_steps and
+        A launch of several decode steps (Scheduler.launch_steps) advances each row by its launch_steps and
         appends as many placeholders."""
         if self._in_flight is not None and self.scheduler.may_preempt():
             self._apply_in_flight()
         out = self._schedule()
         flight = None
         if out.rows:
-            num_steps = self.scheduler.decode_steps(out, self.decode_steps_per_launch)
+            num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
             pending = self.runner.dispatch(self._prepare(out), num_steps)
             self.num_steps += num_steps
             self.num_launches += 1
@@ -235,10 +249,10 @@ class LLMEngine:
             for row in out.rows:
                 req = row.request
                 starts.append(req.num_computed)
-                req.num_computed += row.num_tokens + row.decode_steps - 1  # several steps: 1-token rows
+                req.num_computed += row.num_tokens + row.launch_steps - 1  # several steps: 1-token rows
                 out_index.append(len(req.output_token_ids) if row.samples else -1)
                 if row.samples:
-                    req.output_token_ids += [PLACEHOLDER_TOKEN] * row.decode_steps
+                    req.output_token_ids += [PLACEHOLDER_TOKEN] * row.launch_steps
                     req.awaiting_final_token = self._length_reached(req, len(req.output_token_ids))
             flight = _InFlight(out, pending, starts, out_index)
         previous, self._in_flight = self._in_flight, flight
@@ -259,13 +273,13 @@ class LLMEngine:
         t = 0
         for b, row in enumerate(flight.out.rows):
             req = row.request
-            for j, res in enumerate(results[: row.decode_steps]):
+            for j, res in enumerate(results[: row.launch_steps]):
                 self._record_inputs(req, flight.starts[b] + j, res.input_ids[t : t + row.num_tokens])
             t += row.num_tokens
             i = flight.out_index[b]
             if i < 0 or req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
                 continue
-            for j, res in enumerate(results[: row.decode_steps]):
+            for j, res in enumerate(results[: row.launch_steps]):
                 token = int(res.tokens[b, 0])
                 req.output_token_ids[i + j] = token
                 self._finish_if_done(req, token, now, num_outputs=i + j + 1)

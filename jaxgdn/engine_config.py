@@ -44,12 +44,14 @@ class EngineConfig:
       on wherever it can be (num_speculative_tokens=0 and pd=False); on the H200 it cut a 0.8B decode
       step from 3.26 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
       decode-async_gpu_20261130.json).
-    decode_steps_per_launch: with async scheduling, run this many decode steps in one launch of the device
-      program when every row is a plain decode with room for them and no waiting request could start
-      (vLLM's former multi-step scheduling); same outputs, the host's per-step work is paid once per
-      launch. A request that stops early discards the rest of its launch's tokens; a waiting request
-      that arrives meanwhile starts after the launch. None (default): 4 on a GPU (on the H200 a 0.8B
-      decode step at batch 1 went from 2.07 to 1.40 ms, bench/results/decode-r5-*), 1 elsewhere.
+    decode_steps_per_launch: run this many model steps in one launch of the device program when no
+      waiting request could start and either every row is a plain decode with room for them (with async
+      scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
+      every row is a verify window with room for that many windows (the device moves each row on by the
+      drafts it accepted). Same outputs; the host's per-step work is paid once per launch. A request that
+      stops early discards the rest of its launch's tokens; a waiting request that arrives meanwhile
+      starts after the launch. None (default): 4 on a GPU (on the H200 a 0.8B decode step at batch 1 went
+      from 2.07 to 1.40 ms, bench/results/decode-r5-*), 1 elsewhere.
     """
 
     max_num_seqs: int = 16
@@ -88,9 +90,10 @@ class EngineConfig:
              "and a PD handoff, are only known once its results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
              "decode_steps_per_launch must be >= 1"),
-            (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling,
+            (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling
+             or (self.num_speculative_tokens and not self.pd),
              "decode_steps_per_launch > 1 needs async scheduling (num_speculative_tokens=0, pd=False, "
-             "async_scheduling not off)"),
+             "async_scheduling not off) or MTP verify steps (num_speculative_tokens > 0, pd=False)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -118,7 +121,7 @@ class EngineConfig:
 
     def resolved_decode_steps(self, platform: str) -> int:
         """decode_steps_per_launch resolved for a device platform ("gpu", "cpu", ...)."""
-        if not self.uses_async_scheduling:
+        if self.pd or not (self.uses_async_scheduling or self.num_speculative_tokens):
             return 1
         if self.decode_steps_per_launch is None:
             return 4 if platform in ("gpu", "cuda", "rocm") else 1

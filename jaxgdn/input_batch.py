@@ -48,7 +48,7 @@ class StepArrays:
     pad_tail: np.ndarray  # [R] bool: a prompt tail padded with -1 placeholder drafts
     next_token: np.ndarray  # [R] the token after a non-sampling chunk (for the MTP's last cell)
     samples: np.ndarray  # [R] bool
-    decode_steps: np.ndarray  # [R] steps the row takes in a launch of several decode steps (1 otherwise)
+    token_budget: np.ndarray  # [R] tokens the row may emit in a launch of several steps (runner._advance_rows)
     row_kind: np.ndarray  # [R] int32 RowKind
     temperature: np.ndarray  # [R] sampling parameters per row
     top_k: np.ndarray  # [R]
@@ -92,8 +92,8 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
     # Block tables as wide as this step's longest row needs (+K for the MTP chain's draft positions),
     # padded to a power of two: attention reads MP pages per row, so a max_model_len-wide table would
     # make every decode step read the whole context window.
-    # (+ the later steps of a launch of several decode steps)
-    need = max((-(-(r.request.num_computed + r.num_tokens + num_spec + r.decode_steps - 1) // ps) for r in rows),
+    # (+ the later steps of a launch of several steps: each moves the window on by at most its width)
+    need = max((-(-(r.request.num_computed + r.num_tokens * r.launch_steps + num_spec) // ps) for r in rows),
                default=1)
     MP = ecfg.max_pages_per_seq if ecfg.enforce_eager else min(bucket(need), ecfg.max_pages_per_seq)
 
@@ -153,7 +153,7 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         pad_tail=per_row([r.padded_tail for r in rows], bool),
         next_token=per_row(next_token, np.int32),
         samples=per_row([r.samples for r in rows], bool),
-        decode_steps=per_row([r.decode_steps for r in rows], np.int32),
+        token_budget=per_row([r.token_budget for r in rows], np.int32),
         row_kind=per_row([int(r.kind) for r in rows], np.int32, fill=int(RowKind.PAD)),
         temperature=per_row([sp.temperature for sp in sps], np.float32),
         top_k=per_row([sp.top_k for sp in sps], np.int32),

@@ -72,10 +72,12 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
     stochastic (static): some row samples with temperature > 0.
-    num_steps (static): > 1 runs that many decode steps in one launch (every row a 1-token decode row,
-    K = 0): step j sees the arrays advanced by j positions (_advance_decode_rows) and its input token is
-    step j-1's sample, placed on device from last_sampled as always. flat then holds num_steps results
-    of the layout above, one after the other.
+    num_steps (static): > 1 runs that many model steps in one launch (every row a 1-token decode row, or
+    every row an MTP verify window of 1+K): step j sees the arrays advanced by the tokens each row
+    committed in steps 0..j-1 (_advance_rows; 1 a step for decode rows, the accepted drafts + 1 for
+    verify rows, known only on the device), and its input tokens are step j-1's sample and drafts,
+    placed on device from last_sampled and draft_tokens as always. flat then holds num_steps results of
+    the layout above, one after the other.
     whole_prompts (static): every row starts at position 0 (StepArrays.whole_prompts); attention reads
     the step's own K/V instead of the pages."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
@@ -84,10 +86,11 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     def one_step(state, arrays):
         state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic,
                                                                whole_prompts=whole_prompts, **static)
-        return state, jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
+        flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
+        return state, flat, num_sampled
 
     if num_steps == 1:
-        state, flat = one_step(state, a)
+        state, flat, _ = one_step(state, a)
         return state, flat, resident
     page_size = _kv_page_size(state)
     # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
@@ -95,8 +98,10 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     # saves (2.52 ms per step at batch 1 against 1.40 unrolled and 2.07 for one step per launch;
     # bench/results/decode-r5-*).
     flats = []
+    emitted = jnp.zeros(a["idx_mapping"].shape, jnp.int32)  # [R] tokens each row sampled so far
     for j in range(num_steps):
-        state, flat = one_step(state, _advance_decode_rows(a, j, page_size))
+        state, flat, num_sampled = one_step(state, _advance_rows(a, j, emitted, page_size))
+        emitted = emitted + num_sampled
         flats.append(flat)
     return state, jnp.concatenate(flats), resident
 
@@ -107,22 +112,30 @@ def _kv_page_size(state: EngineState) -> int:
     return pools[0].k.shape[1] if pools else 1
 
 
-def _advance_decode_rows(a: dict[str, Any], j, page_size: int) -> dict[str, Any]:
-    """The step arrays of 1-token decode rows moved j positions on: positions, sequence lengths and the KV
-    slots the new positions write (from the rows' block tables, which the scheduler sized for them).
-    A row past its decode_steps writes the null page and samples nothing; padding keeps its values; no
-    row is fresh after the first step."""
-    live = j < a["decode_steps"]  # [R]
+def _advance_rows(a: dict[str, Any], j: int, emitted, page_size: int) -> dict[str, Any]:
+    """Step j's arrays in a launch of several steps: every row moved on by the tokens it emitted in the
+    launch's earlier steps (emitted: int32[R], on the device). A row's committed tokens are its emitted
+    ones (a decode row commits its one input token and samples one; a verify row commits its input token
+    and its accepted drafts, and samples as many), so positions, sequence lengths and the KV slots the
+    window writes (from the rows' block tables, which the scheduler sized for the launch) move by
+    `emitted`. A row whose emitted tokens reached its token_budget (its request is over: max_tokens or
+    max_model_len) writes the null page and samples nothing from then on; step 0 runs every row as the
+    host built it; padding keeps its values; no row is fresh after step 0."""
+    if j == 0:
+        return a
+    live = emitted < a["token_budget"]  # [R]
     valid = a["token_index"] >= 0  # [R, Q]
-    row_positions = jnp.where(valid, a["row_positions"] + j, a["row_positions"])
+    row_positions = jnp.where(valid, a["row_positions"] + emitted[:, None], a["row_positions"])
     pages = jnp.take_along_axis(a["block_tables"], row_positions // page_size, axis=1, mode="clip")
     pages = jnp.where(live[:, None], pages, NULL_PAGE)
     kv_slots = jnp.where(valid, pages * page_size + row_positions % page_size, a["kv_slots"])
-    num_real_tokens = a["query_start_loc"][-1]
-    positions = a["positions"] + jnp.where(jnp.arange(a["positions"].shape[0]) < num_real_tokens, j, 0)
-    seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + j, a["seq_lens"])
+    T = a["positions"].shape[0]
+    # flat positions: each valid cell's token moves with its row (padding tokens are in no row)
+    positions = a["positions"].at[jnp.where(valid, a["token_index"], T)].add(
+        jnp.broadcast_to(emitted[:, None], valid.shape), mode="drop")
+    seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + emitted, a["seq_lens"])
     return dict(a, row_positions=row_positions, kv_slots=kv_slots, positions=positions, seq_lens=seq_lens,
-                fresh=a["fresh"] & (j == 0), samples=a["samples"] & live)
+                fresh=jnp.zeros_like(a["fresh"]), samples=a["samples"] & live)
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,

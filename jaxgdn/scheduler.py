@@ -26,8 +26,11 @@ class ScheduledRow:
     kind: RowKind
     samples: bool  # the window reaches the end of the known tokens: its logits are sampled
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # scheduled_spec_decode_tokens
-    # Decode steps this row takes in a launch of several (Scheduler.decode_steps); 1 otherwise.
-    decode_steps: int = 1
+    # A launch of several steps (Scheduler.launch_steps): the most steps this row runs live in it (each one
+    # decode token or one verify window), and the tokens it may emit before its request ends there
+    # (max_tokens, max_model_len; the device stops the row once it has emitted them). 1 otherwise.
+    launch_steps: int = 1
+    token_budget: int = 1
 
     @property
     def padded_tail(self) -> bool:
@@ -148,24 +151,41 @@ class Scheduler:
         end = min(req.num_computed + row.num_tokens + self.K, self.ecfg.max_model_len)
         return self.pages_needed(req, end)
 
-    def decode_steps(self, out: SchedulerOutput, num_steps: int) -> int:
-        """How many decode steps out's launch runs: num_steps when every row is a 1-token decode row, no
-        waiting request could start now, and the free KV pages cover the extra positions (allocated here);
-        else 1. Each row's decode_steps is then what its request may still produce (max_tokens,
-        max_model_len), at most num_steps: the launch always runs num_steps (one program per bucket), a row
-        with fewer writes its later steps to the null page and samples nothing there."""
+    def launch_steps(self, out: SchedulerOutput, num_steps: int) -> int:
+        """How many model steps out's launch runs: num_steps when every row is a 1-token decode row or
+        every row a verify window of 1+K (each sampling), no waiting request could start now, and the free
+        KV pages cover the launch's worst case (allocated here); else 1. A decode row's launch_steps and
+        token_budget are what its request may still produce (max_tokens, max_model_len), at most
+        num_steps: the launch always runs num_steps (one program per bucket), a row with fewer writes its
+        later steps to the null page and samples nothing there. A verify row may emit 1..1+K tokens a
+        step, so it gets pages for num_steps full windows (+K lookahead) and the launch needs that much
+        room under max_model_len for every row; its budget is max_tokens' remainder."""
         if num_steps <= 1 or not out.rows or (self.waiting and self.slots.num_free):
             return 1
-        if any(row.kind != RowKind.DECODE or row.num_tokens != 1 or not row.samples for row in out.rows):
+        width = out.rows[0].num_tokens
+        kind = RowKind.DECODE if width == 1 else RowKind.SPEC_VERIFY
+        if width not in (1, 1 + self.K) or any(row.kind != kind or row.num_tokens != width or not row.samples
+                                                for row in out.rows):
             return 1
-        steps = [max(1, min(num_steps, row.request.sampling_params.max_tokens - len(row.request.output_token_ids),
-                            self.ecfg.max_model_len - row.request.num_tokens)) for row in out.rows]
-        need = [self.pages_needed(row.request, row.request.num_computed + n) for row, n in zip(out.rows, steps)]
+        max_len = self.ecfg.max_model_len
+        plan = []  # (row, launch_steps, token_budget, end of the positions it may write)
+        for row in out.rows:
+            req = row.request
+            left = min(req.sampling_params.max_tokens - len(req.output_token_ids), max_len - req.num_tokens)
+            if kind == RowKind.DECODE:
+                n = max(1, min(num_steps, left))
+                plan.append((row, n, n, req.num_computed + n))
+            else:
+                end = req.num_computed + num_steps * width + self.K
+                if end > max_len:
+                    return 1
+                plan.append((row, num_steps, max(1, left), end))
+        need = [self.pages_needed(row.request, end) for row, _, _, end in plan]
         if sum(need) > self.pages.num_free:
             return 1
-        for row, n, pages in zip(out.rows, steps, need):
+        for (row, n, budget, _), pages in zip(plan, need):
             row.request.pages += self.pages.allocate(pages)
-            row.decode_steps = n
+            row.launch_steps, row.token_budget = n, budget
         return num_steps
 
     def schedule(self) -> SchedulerOutput:

@@ -1,6 +1,8 @@
 """GPU-only checks (pytest -m gpu): compiled kernels against their references, and the PD + MTP engine
 with the Triton and Pallas input-assembly kernels against plain greedy decoding."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -166,6 +168,39 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     assert outs[None] == outs[1]
     for p, sp, got in zip(prompts[:2], sps[:2], outs[None][:2]):
         assert got == naive_greedy(params, cfg, p, sp.max_tokens)
+
+
+def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
+    """With MTP the GPU default runs 4 verify steps per launch (the pool kernel reads the checkpoint the
+    launch's previous step committed): on the shipped model, which accepts most drafts, outputs and
+    acceptance equal one step per launch, and greedy ones plain greedy decoding."""
+    import jax.numpy as jnp
+
+    from jaxgdn import task
+    from jaxgdn.checkpoint import load_checkpoint
+    from jaxgdn.engine import LLMEngine
+    from jaxgdn.tokenizer import load_tokenizer
+
+    shipped = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
+    cfg, params = load_checkpoint(shipped, dtype=jnp.float32)
+    tok = load_tokenizer(shipped)
+    prompts = [tok.encode(p.prompt()) for p in task.take("test", 4)]
+    sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),
+           SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25),
+           SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)]
+    outs = {}
+    for steps in (None, 1):  # None: the engine's GPU default
+        ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8,
+                            dtype="float32", num_speculative_tokens=2, decode_steps_per_launch=steps)
+        eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        eng.run_until_done()
+        outs[steps] = ([eng.output(r).token_ids for r in rids], eng.spec_metrics())
+        assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps) == ((4, True) if steps is None else (1, False))
+    assert outs[None] == outs[1]
+    assert outs[1][1]["acceptance_rate"] > 0.5
+    for p, sp, got in zip(prompts[:2], sps[:2], outs[None][0][:2]):  # (a request may stop on its eos)
+        assert got and got == naive_greedy(params, cfg, p, sp.max_tokens)[: len(got)]
 
 
 @pytest.mark.parametrize("T, K", [(1, 0), (4, 3)])

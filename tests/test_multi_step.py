@@ -1,7 +1,11 @@
-"""Several decode steps per launch (decode_steps_per_launch): outputs, finish reasons and fed tokens are
-exactly those of one step per launch, also when a request stops inside a launch or reaches its length
-limit, and the pools drain."""
+"""Several decode steps per launch (decode_steps_per_launch), and several MTP verify steps per launch:
+outputs, finish reasons, drafts accepted and fed tokens are exactly those of one step per launch, also
+when a request stops inside a launch or reaches its length limit, and the pools drain."""
 
+import functools
+from pathlib import Path
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,7 +13,7 @@ from helpers import naive_greedy, run_recorded, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
-from jaxgdn.request import SamplingParams
+from jaxgdn.request import RowKind, SamplingParams
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=41)
@@ -93,4 +97,96 @@ def test_decode_steps_per_launch_config():
     with pytest.raises(ValueError, match="decode_steps_per_launch"):
         EngineConfig(decode_steps_per_launch=0)
     with pytest.raises(ValueError, match="needs async scheduling"):
-        EngineConfig(decode_steps_per_launch=2, num_speculative_tokens=1)
+        EngineConfig(decode_steps_per_launch=2, async_scheduling=False)
+
+
+# ---------------------------------------------------------------------------------- MTP verify steps
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_model():
+    """The shipped model (fp32) and the encoded prompts of its first test problems: drafts it accepts."""
+    from jaxgdn import task
+    from jaxgdn.checkpoint import load_checkpoint
+    from jaxgdn.tokenizer import load_tokenizer
+
+    cfg, params = load_checkpoint(SHIPPED, dtype=jnp.float32)
+    tok = load_tokenizer(SHIPPED)
+    return params, cfg, [tok.encode(p.prompt()) for p in task.take("test", 6)]
+
+
+def verify_engine(params, cfg, steps: int, K: int, **kw) -> LLMEngine:
+    base = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8, dtype="float32",
+                num_speculative_tokens=K)
+    return LLMEngine(params, cfg, EngineConfig(**{**base, **kw}, decode_steps_per_launch=steps), garbage_seed=5)
+
+
+def assert_same_serving(single, multi, single_eng, multi_eng):
+    (s_out, s_fed), (m_out, m_fed) = single, multi
+    for s, m in zip(s_out, m_out):
+        assert (m.token_ids, m.finish_reason, m.num_drafted, m.num_accepted_drafts) == (
+            s.token_ids, s.finish_reason, s.num_drafted, s.num_accepted_drafts)
+    assert m_fed == s_fed  # the same tokens at the same positions, step by step
+    assert multi_eng.spec_metrics() == single_eng.spec_metrics()
+    assert multi_eng.num_launches < multi_eng.num_steps  # launches of several verify steps did run
+    assert multi_eng.scheduler.pages.num_free == multi_eng.runner.state.layers[-1].k.shape[0] - 1  # all but null
+    assert multi_eng.scheduler.slots.num_free == multi_eng.ecfg.max_num_seqs
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_verify_launches_equal_single_steps_on_accepted_drafts(K):
+    """The shipped model accepts most drafts, so each verify step of a launch starts at a position only
+    the device knows. Greedy and seeded sampling, a stop token and max_tokens inside a launch."""
+    params, cfg, prompts = shipped_model()
+    greedy = naive_greedy(params, cfg, prompts[1], 12)
+    sp = [SamplingParams(temperature=0, max_tokens=40) for _ in prompts]
+    sp[1] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(greedy[9],))
+    sp[2] = SamplingParams(temperature=0, max_tokens=7)
+    sp[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30)
+    sp[4] = SamplingParams(temperature=1.0, top_k=4, seed=8, max_tokens=25)
+    single_eng, multi_eng = verify_engine(params, cfg, 1, K), verify_engine(params, cfg, 3, K)
+    single = run_recorded(single_eng, prompts, sp)
+    multi = run_recorded(multi_eng, prompts, sp)
+    assert single[0][1].finish_reason == "stop" and single[0][2].finish_reason == "length"
+    assert single_eng.spec_metrics()["acceptance_rate"] > 0.5
+    assert_same_serving(single, multi, single_eng, multi_eng)
+
+
+def test_verify_launches_equal_single_steps_on_rejected_drafts_and_near_max_model_len():
+    """Random weights reject most drafts; rows close to max_model_len fall back to one step a launch."""
+    prompts = [prompt(70 + i, n) for i, n in enumerate((3, 9, 17, 100, 2))]
+    sp = [SamplingParams(temperature=0, max_tokens=24) for _ in prompts]
+    sp[2] = SamplingParams(temperature=1.5, seed=3, max_tokens=24)  # sampled: some drafts accepted
+    sp[4] = SamplingParams(temperature=0, max_tokens=5)
+    single_eng = verify_engine(PARAMS, CFG, 1, 2, max_model_len=120)
+    multi_eng = verify_engine(PARAMS, CFG, 4, 2, max_model_len=120)
+    single = run_recorded(single_eng, prompts, sp)
+    multi = run_recorded(multi_eng, prompts, sp)
+    assert single[0][3].finish_reason == "length" and len(single[0][3].token_ids) == 20  # 100 + 20 = 120
+    assert_same_serving(single, multi, single_eng, multi_eng)
+
+
+def test_verify_launch_reserves_pages_for_every_window_and_budgets_rows():
+    eng = verify_engine(PARAMS, CFG, 4, 2)
+    rids = [eng.add_request(prompt(80, 5), SamplingParams(temperature=0, max_tokens=30)),
+            eng.add_request(prompt(81, 6), SamplingParams(temperature=0, max_tokens=3))]
+    eng.step()  # the prompts (drafts proposed)
+    out = eng.scheduler.schedule()
+    assert [r.kind for r in out.rows] == [RowKind.SPEC_VERIFY] * 2
+    assert eng.scheduler.launch_steps(out, 4) == 4
+    for row, budget in zip(out.rows, (30 - 1, 3 - 1)):
+        req = row.request
+        # pages for 4 windows of 1+K from num_computed, plus the K positions the MTP chain writes
+        assert len(req.pages) == -(-(req.num_computed + 4 * 3 + 2) // 8)
+        assert (row.launch_steps, row.token_budget) == (4, budget)
+    assert rids
+
+
+def test_verify_launches_config():
+    assert EngineConfig(num_speculative_tokens=1).resolved_decode_steps("gpu") == 4
+    assert EngineConfig(num_speculative_tokens=1).resolved_decode_steps("cpu") == 1
+    assert EngineConfig(num_speculative_tokens=1, pd=True).resolved_decode_steps("gpu") == 1
+    assert EngineConfig(num_speculative_tokens=2, decode_steps_per_launch=3).resolved_decode_steps("cpu") == 3
+    with pytest.raises(ValueError, match="decode_steps_per_launch"):
+        EngineConfig(decode_steps_per_launch=2, num_speculative_tokens=1, pd=True)

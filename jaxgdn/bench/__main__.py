@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt-len", type=int, default=64)
     sp.add_argument("--steps", type=int, default=16)
     sp.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    sp.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
+                    help="EngineConfig.decode_steps_per_launch of the modeled rows: decode steps (K=0) or verify "
+                         "steps (K>0) per launch (default: the engine's, 4 on a GPU, 1 elsewhere)")
     pd = add("pd", "PD handoff size and cost per request")
     pd.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])

@@ -135,35 +135,45 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     traced_launches = 5 if profile_dir else 0
     # whole launches after the prompt's token: warm-up, timed, traced
     decode_tokens = per_launch * (warm + -(-steps // per_launch) + traced_launches)
-    eng = make_engine(params, cfg, max_model_len=prompt_len + 1 + decode_tokens + 8, **config)
+    # With MTP a verify step emits 1..1+K tokens: max_tokens leaves room for decode_tokens steps with every
+    # draft accepted, and max_model_len for that plus a launch of verify windows (Scheduler.launch_steps).
+    max_tokens = 1 + decode_tokens * (1 + K)
+    room = per_launch * (1 + K) + K if K else 0
+    eng = make_engine(params, cfg, max_model_len=prompt_len + max_tokens + room + 8, **config)
     rng = np.random.default_rng(batch)
-    sp = SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
         eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
 
     def tokens_back():  # output tokens whose values reached the host, over all requests
         return sum(sum(t != PLACEHOLDER_TOKEN for t in r.output_token_ids) for r in eng.requests.values())
 
+    def steps_back():  # model steps per row whose results reached the host
+        # A verify step emits 1..1+K tokens a row: count the verify rows applied, not the tokens.
+        return eng.num_verify_rows / batch if K else tokens_back() / batch
+
     times, t_first, before, after = [], time.perf_counter(), None, None
     traced = 0
     with contextlib.ExitStack() as tracing:
-        while eng.has_unfinished:
+        # With MTP the rows' lengths depend on acceptance: stop after the steps planned (every row still
+        # running, so no launch of fewer rows, a new bucket, falls in the window).
+        while eng.has_unfinished and not (K and steps_back() >= decode_tokens):
             # the prompt call and `warm` decode calls (they compile and warm the decode program) are not timed
             if len(times) == 1 + warm:
-                before, tokens_before, first_timed = dict(eng.timings), tokens_back(), len(times)
+                before, steps_before, first_timed = dict(eng.timings), steps_back(), len(times)
             # the timed window closes where the traced calls (real steps, host preparation included) begin
             if traced_launches and after is None and eng.num_steps >= decode_tokens - traced_launches * per_launch:
-                after = dict(eng.timings), tokens_back(), len(times)
+                after = dict(eng.timings), steps_back(), len(times)
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
             traced += after is not None
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-    timings_after, tokens_after, last_timed = after or (dict(eng.timings), tokens_back(), len(times))
-    if before is None or tokens_after <= tokens_before:
+    timings_after, steps_after, last_timed = after or (dict(eng.timings), steps_back(), len(times))
+    if before is None or steps_after <= steps_before:
         raise ValueError(f"--steps {steps}: no decode step left to time after {warm} warm-up calls")
     decode = times[first_timed:last_timed]
-    decode_steps = (tokens_after - tokens_before) / batch  # model steps whose token per row came back
+    decode_steps = steps_after - steps_before  # model steps whose results came back
     phases = {k: (v - before.get(k, 0.0)) / decode_steps * 1e3 for k, v in timings_after.items()}
     generated = tokens_back()
     out = {"async_scheduling": eng.async_scheduling, "decode_steps_per_launch": per_launch,

@@ -64,16 +64,20 @@ def task_prompts(model_dir: str, n: int) -> list[list[int]]:
     return [tok.encode(p.prompt()) for p in take("test", n)]
 
 
-def modeled_spec(model: str, ks, batch: int, prompt_len: int, steps: int, rates) -> list[dict]:
-    """Measured ms per step for each K on `model` (random weights), with modeled acceptance rates."""
+def modeled_spec(model: str, ks, batch: int, prompt_len: int, steps: int, rates,
+                 decode_steps_per_launch: int | None = None) -> list[dict]:
+    """Measured ms per step for each K on `model` (random weights), with modeled acceptance rates.
+    decode_steps_per_launch: the engine's (None: its default; for K > 0, verify steps per launch)."""
     params, cfg = load_model(model, include_mtp=True)
     base = None
     rows = []
     for K in ks:
-        r = engine_decode_ms(params, cfg, batch, prompt_len, steps, K=K)
+        r = engine_decode_ms(params, cfg, batch, prompt_len, steps, K=K, decode_steps_per_launch=decode_steps_per_launch)
         if K == 0:
             base = r["ms_per_step"]
-        row = {"K": K, "batch": batch, "ms_per_step": r["ms_per_step"], "device_ms_per_step": r["device_ms_per_step"]}
+        row = {"K": K, "batch": batch, "ms_per_step": r["ms_per_step"], "device_ms_per_step": r["device_ms_per_step"],
+               "steps_per_launch": r["decode_steps_per_launch"], "host_phase_ms_per_step": r["host_phase_ms_per_step"],
+               "measured_acceptance_rate": (r["spec"] or {}).get("acceptance_rate")}
         for p in rates:
             tokens = expected_tokens_per_step(p, K)
             row[f"tokens_per_s_at_p{p}"] = batch * tokens / r["ms_per_step"] * 1e3
@@ -93,7 +97,8 @@ def bench_spec(args) -> dict:
     args.save_partial(out)
     if args.model:
         out["model"] = args.model
-        out["rows_modeled"] = modeled_spec(args.model, args.k, args.batch, args.prompt_len, args.steps, args.acceptance)
+        out["rows_modeled"] = modeled_spec(args.model, args.k, args.batch, args.prompt_len, args.steps, args.acceptance,
+                                           args.decode_steps_per_launch)
     return out
 
 

@@ -68,8 +68,16 @@ def prefill_table(d: dict) -> list[str]:
 
 
 def spec_table(d: dict) -> list[str]:
-    return _table(["K", "tokens/s (shipped model)", "mean acceptance length"], d["rows_shipped"],
-                  lambda r: [str(r["K"]), f"{r['tokens_per_s']:.0f}", _fmt(r.get("mean_acceptance_length"), ".2f")])
+    lines = _table(["K", "tokens/s (shipped model)", "mean acceptance length"], d["rows_shipped"],
+                   lambda r: [str(r["K"]), f"{r['tokens_per_s']:.0f}", _fmt(r.get("mean_acceptance_length"), ".2f")])
+    modeled = d.get("rows_modeled") or []
+    if not modeled:
+        return lines
+    rates = d.get("modeled_acceptance", [])
+    columns = ["K", "batch", "steps/launch", "ms/step", "device ms/step"] + [f"speed-up at p={p}" for p in rates]
+    return lines + [""] + _table(columns, modeled, lambda r: [
+        str(r["K"]), str(r["batch"]), _fmt(r.get("steps_per_launch"), "d"), f"{r['ms_per_step']:.3f}",
+        _fmt(r.get("device_ms_per_step"), ".3f")] + [_fmt(r.get(f"speedup_vs_no_mtp_at_p{p}"), ".2f") for p in rates])
 
 
 def pd_table(d: dict) -> list[str]:
