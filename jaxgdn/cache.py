@@ -66,6 +66,10 @@ class EngineState:
     last_sampled: Array  # [num_slots] int32
     draft_tokens: Array  # [num_slots, K] int32
     num_accepted: Array  # [num_slots] int32
+    # Tokens each slot has committed (its request's num_computed), written by every step: a launch
+    # scheduled before the previous one's results are back (async scheduling with MTP) starts its rows
+    # there instead of at the host's guess (runner._packed_step).
+    num_computed: Array  # [num_slots] int32
 
 
 def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
@@ -110,6 +114,7 @@ def init_engine_state(
         last_sampled=jnp.zeros((S,), jnp.int32),
         draft_tokens=jnp.zeros((S, K), jnp.int32),
         num_accepted=jnp.ones((S,), jnp.int32),
+        num_computed=jnp.zeros((S,), jnp.int32),
     )
     if garbage_seed is None:
         return state

@@ -51,7 +51,8 @@ class LLMEngine:
         self.device = device
         self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
                                   input_impl=input_impl,
-                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device)
+                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device,
+                                  rebases=ecfg.uses_async_scheduling and self.K > 0)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -145,8 +146,9 @@ class LLMEngine:
         applied during this call are those of the previous step (this step's are still on the device), and
         the launch may run decode_steps_per_launch decode steps. num_steps counts model steps,
         num_launches device launches."""
-        if self.async_scheduling:
+        if self.async_scheduling and self.draft_override is None:
             return self._step_async()
+        self._apply_in_flight()  # (a test hook set after async steps: finish them first)
         out = self._schedule()
         if not out.rows:
             return out
@@ -205,8 +207,9 @@ class LLMEngine:
             raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
         return out
 
-    def _prepare(self, out: SchedulerOutput):
-        """Import admitted PD handoffs into their fresh slots and build the step's host arrays."""
+    def _prepare(self, out: SchedulerOutput, rebase: list[bool] | None = None):
+        """Import admitted PD handoffs into their fresh slots and build the step's host arrays (rebase: see
+        build_step)."""
         for row in out.rows:
             req = row.request
             self.slot_prefill_len[req.slot] = req.prefill_len
@@ -215,7 +218,7 @@ class LLMEngine:
                                                    self.device)
                 req.handoff = None
         t0 = time.perf_counter()
-        arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len)
+        arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len, rebase)
         self.timings["build"] += time.perf_counter() - t0
         return arrays
 
@@ -227,38 +230,57 @@ class LLMEngine:
     def _step_async(self) -> SchedulerOutput:
         """Schedule and launch step n+1 before step n's tokens come back, so host work overlaps the device.
 
-        Exact because (K = 0) every scheduled row advances by its token count whatever it samples and the
-        sampled token reaches the next step on the device (last_sampled), never through the host. A
-        sampling row appends a placeholder output, filled when its step's results are applied. A request
-        whose step n token ends it (stop token) was already scheduled in step n+1: that row's work is
-        discarded. A request whose placeholder is its last allowed token is not scheduled again. When the
-        coming schedule could preempt (not enough free pages for every running request's next window),
-        the step in flight is applied first: a preempted request is recomputed from its real tokens.
-        A launch of several decode steps (Scheduler.launch_steps) advances each row by its launch_steps and
-        appends as many placeholders."""
-        if self._in_flight is not None and self.scheduler.may_preempt():
+        Exact because the sampled tokens and drafts reach the next step on the device (last_sampled,
+        draft_tokens), never through the host. A sampling row appends placeholder outputs, filled when its
+        step's results are applied. Without MTP every row advances by its token count whatever it samples.
+        With MTP a verify row emits 1..1+K tokens a step, known only on the device: the host books its
+        launch as if every draft were accepted (num_computed, placeholders, pages), flags the request's
+        next row to start where the device's count says (rebase), and when the results come back removes
+        the placeholders left unfilled and takes them off num_computed. A request whose step n token ends it
+        (stop token, length) was already scheduled in step n+1: that row's work is discarded. A request
+        whose last allowed token is surely in flight is not scheduled again. The step in flight is applied
+        first when the coming schedule could preempt (not enough free pages for every running request's
+        next window: a preempted request is recomputed from its real tokens) and, with MTP, when a running
+        request is within one launch of max_model_len (so every verify window is scheduled as the
+        synchronous engine would). A launch of several steps (Scheduler.launch_steps) books each row's
+        launch_steps."""
+        if self._in_flight is not None and (self.scheduler.may_preempt() or self._near_length_limit()):
             self._apply_in_flight()
         out = self._schedule()
         flight = None
         if out.rows:
             num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
-            pending = self.runner.dispatch(self._prepare(out), num_steps)
+            in_flight = {id(row.request) for row in self._in_flight.out.rows} if self._in_flight else set()
+            rebase = [id(row.request) in in_flight for row in out.rows]
+            pending = self.runner.dispatch(self._prepare(out, rebase), num_steps)
             self.num_steps += num_steps
             self.num_launches += 1
-            starts, out_index = [], []
+            starts, out_index, excess = [], [], []
             for row in out.rows:
                 req = row.request
                 starts.append(req.num_computed)
-                req.num_computed += row.num_tokens + row.launch_steps - 1  # several steps: 1-token rows
+                excess.append(req.spec_excess)
+                req.num_computed += row.launch_steps * row.num_tokens  # every draft accepted, every step
                 out_index.append(len(req.output_token_ids) if row.samples else -1)
                 if row.samples:
-                    req.output_token_ids += [PLACEHOLDER_TOKEN] * row.launch_steps
-                    req.awaiting_final_token = self._length_reached(req, len(req.output_token_ids))
-            flight = _InFlight(out, pending, starts, out_index)
+                    req.output_token_ids += [PLACEHOLDER_TOKEN] * _booked_outputs(row)
+                    req.output_slack += _booked_outputs(row) - min(row.launch_steps, row.token_budget)
+                    if self.K:  # the drafts it proposes are on the device: the next row verifies K
+                        req.spec_token_ids = [PLACEHOLDER_TOKEN] * self.K
+                    req.awaiting_final_token = self._length_reached(req, req.num_outputs_lower_bound)
+            flight = _InFlight(out, pending, starts, out_index, excess)
         previous, self._in_flight = self._in_flight, flight
         if previous is not None:
             self._apply(previous)
         return out
+
+    def _near_length_limit(self) -> bool:
+        """MTP: a running request might be within one launch of verify windows of max_model_len, where the
+        scheduler shortens windows by what the host's booking (every draft accepted) says is left."""
+        if not self.K:
+            return False
+        reach = self.decode_steps_per_launch * (1 + self.K) + self.K
+        return any(r.num_computed + reach > self.ecfg.max_model_len for r in self.scheduler.running)
 
     def _apply_in_flight(self) -> None:
         previous, self._in_flight = self._in_flight, None
@@ -266,26 +288,46 @@ class LLMEngine:
             self._apply(previous)
 
     def _apply(self, flight: "_InFlight") -> None:
-        """Fill the placeholders of a dispatched launch with its sampled tokens (step by step) and finish
-        requests."""
+        """Fill the placeholders of a dispatched launch with its sampled tokens (step by step), count
+        acceptance, finish requests; with MTP, drop the placeholders a verify row left unfilled and take
+        them off num_computed."""
         results = self.runner.fetch(flight.pending)
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(flight.out.rows):
             req = row.request
-            for j, res in enumerate(results[: row.launch_steps]):
-                self._record_inputs(req, flight.starts[b] + j, res.input_ids[t : t + row.num_tokens])
+            steps = results[: row.launch_steps]
+            # unused placeholders of this request's earlier launches, removed after this one was booked
+            removed = req.spec_excess - flight.excess[b]
+            start = flight.starts[b] - removed
+            for res in steps:
+                self._record_inputs(req, start, res.input_ids[t : t + row.num_tokens])
+                start += int(res.num_sampled[b]) if row.samples else row.num_tokens
             t += row.num_tokens
             i = flight.out_index[b]
             if i < 0 or req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
                 continue
-            for j, res in enumerate(results[: row.launch_steps]):
-                token = int(res.tokens[b, 0])
-                req.output_token_ids[i + j] = token
-                self._finish_if_done(req, token, now, num_outputs=i + j + 1)
+            i -= removed
+            emitted = 0
+            for res in steps:
+                n = int(res.num_sampled[b])
+                if row.kind == RowKind.SPEC_VERIFY:
+                    self._count_acceptance(req, len(row.spec_tokens), n - 1)
+                for token in res.tokens[b, :n]:
+                    req.output_token_ids[i + emitted] = int(token)
+                    emitted += 1
+                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted)
+                    if req.status is RequestStatus.FINISHED:
+                        break
                 if req.status is RequestStatus.FINISHED:
-                    del req.output_token_ids[i + j + 1 :]  # placeholders of steps after this token
+                    del req.output_token_ids[i + emitted :]  # placeholders of steps after this token
                     break
+            else:
+                unused = _booked_outputs(row) - emitted
+                del req.output_token_ids[i + emitted : i + emitted + unused]
+                req.num_computed -= unused
+                req.spec_excess += unused
+                req.output_slack -= _booked_outputs(row) - min(row.launch_steps, row.token_budget)
         self.timings["update"] += time.perf_counter() - now
 
     def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:
@@ -347,12 +389,19 @@ class LLMEngine:
         return [self.output(r) for r in rids]
 
 
+def _booked_outputs(row) -> int:
+    """Placeholder outputs async scheduling books for a sampling row: one a step, 1+K a verify step."""
+    return row.launch_steps * (1 + len(row.spec_tokens))
+
+
 @dataclasses.dataclass
 class _InFlight:
-    """A dispatched step (async scheduling): its rows, device results, each row's first position and
-    the index of its placeholder output token (-1 for rows that do not sample)."""
+    """A dispatched step (async scheduling): its rows, device results, each row's first position as
+    booked, the index of its first placeholder output token (-1 for rows that do not sample), and each
+    request's spec_excess when it was booked."""
 
     out: SchedulerOutput
     pending: PendingStep
     starts: list[int]
     out_index: list[int]
+    excess: list[int]

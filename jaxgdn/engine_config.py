@@ -40,8 +40,10 @@ class EngineConfig:
       cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
       Programs that compiled in >= $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5) are kept.
     async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
-      the device (vLLM's async scheduling); same outputs. Without MTP drafts and PD only. None (default):
-      on wherever it can be (num_speculative_tokens=0 and pd=False); on the H200 it cut a 0.8B decode
+      the device (vLLM's async scheduling); same outputs. With MTP drafts a verify launch is booked as if
+      every draft were accepted and the next launch starts where the device's count says
+      (EngineState.num_computed). Not with PD. None (default): on without MTP drafts and PD (with MTP,
+      True turns it on: tested exact on CPU, not yet timed on the GPU); on the H200 it cut a 0.8B decode
       step from 3.26 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
       decode-async_gpu_20261130.json).
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
@@ -85,9 +87,8 @@ class EngineConfig:
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
             (self.attention_impl in ("xla", "pallas"), "attention_impl must be 'xla' or 'pallas'"),
-            (self.async_scheduling is not True or (self.num_speculative_tokens == 0 and not self.pd),
-             "async_scheduling needs num_speculative_tokens=0 and pd=False (how many drafts a step accepts, "
-             "and a PD handoff, are only known once its results are back)"),
+            (self.async_scheduling is not True or not self.pd,
+             "async_scheduling needs pd=False (a PD handoff is only known once its step's results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
              "decode_steps_per_launch must be >= 1"),
             (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling
@@ -115,7 +116,7 @@ class EngineConfig:
     @property
     def uses_async_scheduling(self) -> bool:
         """async_scheduling resolved: None means on wherever it can be."""
-        if self.async_scheduling is None:
+        if self.async_scheduling is None:  # with MTP opt-in until the H200 shows it pays (README, Spec)
             return self.num_speculative_tokens == 0 and not self.pd
         return self.async_scheduling
 

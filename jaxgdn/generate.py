@@ -55,12 +55,13 @@ def parse_args(argv=None):
                    help="MTP drafts per step, 0..3 (default 0; 1 in the no-argument demo)")
     e.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="launch each step before the previous step's tokens are back (host work overlaps the "
-                        "device; same outputs). auto (default): on without MTP drafts and --pd; on: refused "
-                        "with them")
+                        "device; same outputs; with MTP drafts the next verify step starts where the device's count "
+                        "of accepted drafts says). auto (default): on without MTP drafts and --pd; on: also with "
+                        "MTP drafts (not yet timed on a GPU), refused with --pd")
     e.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
-                   help="with async scheduling, run N decode steps per device launch when every request is "
-                        "decoding (same outputs; the host's per-step cost is paid once per launch). "
-                        "Default: 4 on a GPU, 1 elsewhere")
+                   help="run N model steps per device launch when every request is decoding: decode steps "
+                        "(async scheduling) or MTP verify steps (not --pd); same outputs, the host's per-step "
+                        "cost is paid once per launch. Default: 4 on a GPU, 1 elsewhere")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,

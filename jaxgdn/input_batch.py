@@ -49,6 +49,7 @@ class StepArrays:
     next_token: np.ndarray  # [R] the token after a non-sampling chunk (for the MTP's last cell)
     samples: np.ndarray  # [R] bool
     token_budget: np.ndarray  # [R] tokens the row may emit in a launch of several steps (runner._advance_rows)
+    rebase: np.ndarray  # [R] bool: the row starts where the device's count says (async scheduling with MTP)
     row_kind: np.ndarray  # [R] int32 RowKind
     temperature: np.ndarray  # [R] sampling parameters per row
     top_k: np.ndarray  # [R]
@@ -73,8 +74,10 @@ class StepArrays:
                 self.block_tables.shape[1])
 
 
-def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray) -> StepArrays:
-    """Flatten scheduled rows into padded arrays. slot_prefill_len: [S] per-slot prompt lengths."""
+def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray,
+               rebase: list[bool] | None = None) -> StepArrays:
+    """Flatten scheduled rows into padded arrays. slot_prefill_len: [S] per-slot prompt lengths. rebase:
+    per row, whether its previous launch is still in flight (its num_computed is the host's guess)."""
     num_spec = ecfg.num_speculative_tokens
     n_rows = len(rows)
     n_tokens = sum(r.num_tokens for r in rows)
@@ -154,6 +157,7 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         next_token=per_row(next_token, np.int32),
         samples=per_row([r.samples for r in rows], bool),
         token_budget=per_row([r.token_budget for r in rows], np.int32),
+        rebase=per_row(rebase or False, bool),
         row_kind=per_row([int(r.kind) for r in rows], np.int32, fill=int(RowKind.PAD)),
         temperature=per_row([sp.temperature for sp in sps], np.float32),
         top_k=per_row([sp.top_k for sp in sps], np.int32),

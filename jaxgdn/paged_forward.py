@@ -9,6 +9,7 @@ steps neither decay nor write, and their slots are the null slot.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -217,13 +218,8 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     hidden_flat = jnp.pad(hidden, [(0, T - hidden.shape[0]), (0, 0)])
-    return hidden_flat, _row_maps(view, hidden.shape[0], token_cell)[0](hidden), EngineState(
-        layers=tuple(new_layers),
-        mtp_layers=state.mtp_layers,
-        last_sampled=state.last_sampled,
-        draft_tokens=state.draft_tokens,
-        num_accepted=state.num_accepted,
-    )
+    return hidden_flat, _row_maps(view, hidden.shape[0], token_cell)[0](hidden), dataclasses.replace(
+        state, layers=tuple(new_layers))
 
 
 def _row_maps(view: RowView, num_tokens: int, token_cell):

@@ -140,7 +140,7 @@ def import_handoff(cfg: ModelConfig, state: EngineState, h: Handoff, slot: int, 
         for m, kv in enumerate(mtp_layers):
             mtp_layers[m] = PagedKV(k=kv.k.at[dst].set(put(h.mtp_k[m]).astype(kv.k.dtype)),
                                     v=kv.v.at[dst].set(put(h.mtp_v[m]).astype(kv.v.dtype)))
-    return EngineState(
-        layers=tuple(layers), mtp_layers=tuple(mtp_layers), last_sampled=state.last_sampled,
-        draft_tokens=state.draft_tokens.at[slot].set(-1), num_accepted=state.num_accepted.at[slot].set(1),
+    return dataclasses.replace(
+        state, layers=tuple(layers), mtp_layers=tuple(mtp_layers), draft_tokens=state.draft_tokens.at[slot].set(-1),
+        num_accepted=state.num_accepted.at[slot].set(1), num_computed=state.num_computed.at[slot].set(h.num_computed),
     )

@@ -97,6 +97,11 @@ class Request:
     handoff: object | None = None  # a PD decode worker's request: state to import on admission
     # Async scheduling: the last output this request may produce is in flight; do not schedule it again.
     awaiting_final_token: bool = False
+    # Async scheduling with MTP: a verify launch in flight is booked as if it accepted every draft
+    # (num_computed and placeholder outputs); output_slack is how many of those placeholders it may not
+    # fill, spec_excess counts the unused ones removed so far (engine._apply).
+    output_slack: int = 0
+    spec_excess: int = 0
 
     def __post_init__(self):
         self.prefill_len = len(self.prompt_token_ids)
@@ -121,6 +126,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_outputs_lower_bound(self) -> int:
+        """Outputs this request has for sure (placeholders of launches in flight included where they must
+        be filled): len(output_token_ids) but for async scheduling with MTP."""
+        return len(self.output_token_ids) - self.output_slack
 
 
 @dataclasses.dataclass

@@ -61,7 +61,7 @@ def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
 
 
 def _packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
-                 num_steps: int = 1, whole_prompts: bool = False, **static):
+                 num_steps: int = 1, whole_prompts: bool = False, rebases: bool = False, **static):
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
     the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
     single device-to-host copy. Returns (state, flat, resident).
@@ -79,7 +79,9 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     placed on device from last_sampled and draft_tokens as always. flat then holds num_steps results of
     the layout above, one after the other.
     whole_prompts (static): every row starts at position 0 (StepArrays.whole_prompts); attention reads
-    the step's own K/V instead of the pages."""
+    the step's own K/V instead of the pages.
+    rebases (static): rows may carry the rebase flag (async scheduling with MTP): the host booked their
+    previous launch as if every draft were accepted, so they start where state.num_computed says."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
     a = unpack_step_arrays(resident, layout)
 
@@ -89,10 +91,14 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
         flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
         return state, flat, num_sampled
 
-    if num_steps == 1:
+    # Rows the host flags (rebase: their previous launch's results were not back when this one was
+    # scheduled, so the host assumed every draft accepted) start where the device's count says.
+    shift = (jnp.where(a["rebase"], state.num_computed[a["idx_mapping"]] - a["row_positions"][:, 0], 0) if rebases
+             else 0)
+    page_size = _kv_page_size(state)
+    if num_steps == 1 and not rebases:
         state, flat, _ = one_step(state, a)
         return state, flat, resident
-    page_size = _kv_page_size(state)
     # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
     # kernels one by one from the host on each iteration, which on the H200 cost more than the launches it
     # saves (2.52 ms per step at batch 1 against 1.40 unrolled and 2.07 for one step per launch;
@@ -100,7 +106,12 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     flats = []
     emitted = jnp.zeros(a["idx_mapping"].shape, jnp.int32)  # [R] tokens each row sampled so far
     for j in range(num_steps):
-        state, flat, num_sampled = one_step(state, _advance_rows(a, j, emitted, page_size))
+        if j == 0 and not rebases:
+            arrays = a
+        else:
+            live = (j == 0) | (emitted < a["token_budget"])
+            arrays = _advance_rows(a, shift + emitted, live, page_size, fresh=j == 0)
+        state, flat, num_sampled = one_step(state, arrays)
         emitted = emitted + num_sampled
         flats.append(flat)
     return state, jnp.concatenate(flats), resident
@@ -112,30 +123,27 @@ def _kv_page_size(state: EngineState) -> int:
     return pools[0].k.shape[1] if pools else 1
 
 
-def _advance_rows(a: dict[str, Any], j: int, emitted, page_size: int) -> dict[str, Any]:
-    """Step j's arrays in a launch of several steps: every row moved on by the tokens it emitted in the
-    launch's earlier steps (emitted: int32[R], on the device). A row's committed tokens are its emitted
-    ones (a decode row commits its one input token and samples one; a verify row commits its input token
-    and its accepted drafts, and samples as many), so positions, sequence lengths and the KV slots the
-    window writes (from the rows' block tables, which the scheduler sized for the launch) move by
-    `emitted`. A row whose emitted tokens reached its token_budget (its request is over: max_tokens or
-    max_model_len) writes the null page and samples nothing from then on; step 0 runs every row as the
-    host built it; padding keeps its values; no row is fresh after step 0."""
-    if j == 0:
-        return a
-    live = emitted < a["token_budget"]  # [R]
+def _advance_rows(a: dict[str, Any], shift, live, page_size: int, fresh: bool = False) -> dict[str, Any]:
+    """A step's arrays with every row moved on by shift (int32[R], on the device) positions: in a launch
+    of several steps, step j's rows by the tokens they emitted in steps 0..j-1 (a decode row commits its
+    one input token and samples one; a verify row commits its input token and its accepted drafts, and
+    samples as many), plus any rebase (_packed_step). Positions, sequence lengths and the KV slots the
+    window writes (from the rows' block tables, which the scheduler sized for the launch) move by shift.
+    A row that is not live (its emitted tokens reached its token_budget: its request is over, max_tokens
+    or max_model_len) writes the null page and samples nothing; padding keeps its values; fresh: keep the
+    host's fresh flags (step 0), else no row is fresh."""
     valid = a["token_index"] >= 0  # [R, Q]
-    row_positions = jnp.where(valid, a["row_positions"] + emitted[:, None], a["row_positions"])
+    row_positions = jnp.where(valid, a["row_positions"] + shift[:, None], a["row_positions"])
     pages = jnp.take_along_axis(a["block_tables"], row_positions // page_size, axis=1, mode="clip")
     pages = jnp.where(live[:, None], pages, NULL_PAGE)
     kv_slots = jnp.where(valid, pages * page_size + row_positions % page_size, a["kv_slots"])
     T = a["positions"].shape[0]
     # flat positions: each valid cell's token moves with its row (padding tokens are in no row)
     positions = a["positions"].at[jnp.where(valid, a["token_index"], T)].add(
-        jnp.broadcast_to(emitted[:, None], valid.shape), mode="drop")
-    seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + emitted, a["seq_lens"])
+        jnp.broadcast_to(shift[:, None], valid.shape), mode="drop")
+    seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + shift, a["seq_lens"])
     return dict(a, row_positions=row_positions, kv_slots=kv_slots, positions=positions, seq_lens=seq_lens,
-                fresh=jnp.zeros_like(a["fresh"]), samples=a["samples"] & live)
+                fresh=a["fresh"] if fresh else jnp.zeros_like(a["fresh"]), samples=a["samples"] & live)
 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
@@ -183,6 +191,10 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     # Rollback is selection: the next step reads checkpoint num_accepted - 1.
     committed = jnp.where(a["verify_path"], jnp.maximum(num_sampled, 1), 1)
     num_accepted = state.num_accepted.at[jnp.where(real, idx, S)].set(committed, mode="drop")
+    # The row's committed tokens: its cells but the rejected drafts (as the host's num_computed).
+    num_rejected = jnp.where(samples, n_draft - (num_sampled - 1), 0)
+    num_computed = state.num_computed.at[jnp.where(real, idx, S)].set(
+        a["row_positions"][:, 0] + view.num_valid - num_rejected, mode="drop")
 
     new_drafts = jnp.zeros((R, K), jnp.int32)
     mtp_layers = state.mtp_layers
@@ -192,7 +204,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
                                                  whole_prompts)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
-                        draft_tokens=draft_tokens, num_accepted=num_accepted)
+                        draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed)
     return state, tokens, num_sampled, new_drafts, ids
 
 
@@ -283,11 +295,12 @@ class LaunchArgs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla"):
+def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla",
+                 rebases: bool = False):
     """One jitted step function per static setting, shared by every runner in the process, so engines
     built with the same model and settings reuse each other's compiled buckets."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
-                                     input_impl=input_impl, unguarded=unguarded),
+                                     input_impl=input_impl, unguarded=unguarded, rebases=rebases),
                    donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
 
 
@@ -298,7 +311,7 @@ class ModelRunner:
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", rebases: bool = False):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
@@ -310,7 +323,8 @@ class ModelRunner:
         # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
-        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl)
+        # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
+        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""

@@ -16,7 +16,7 @@ import time
 
 from .cache import FreeList
 from .engine_config import EngineConfig
-from .request import Request, RequestStatus, RowKind
+from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
 
 
 @dataclasses.dataclass
@@ -104,6 +104,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free everything and requeue at the front; it is recomputed from its prompt + outputs."""
+        if PLACEHOLDER_TOKEN in req.output_token_ids:  # async scheduling applies its launch in flight first
+            raise RuntimeError(f"internal: request {req.request_id} preempted while a launch of it is in flight")
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.WAITING
@@ -141,8 +143,9 @@ class Scheduler:
 
     def may_preempt(self) -> bool:
         """Whether the next schedule() could preempt: the running requests' next windows (at most all
-        their known tokens plus K lookahead) might need more pages than are free."""
-        need = sum(self.pages_needed(r, min(r.num_tokens + self.K, self.ecfg.max_model_len)) for r in self.running)
+        their known tokens, a verify window's K drafts, and the K lookahead positions of _pages_for) might
+        need more pages than are free."""
+        need = sum(self.pages_needed(r, min(r.num_tokens + 2 * self.K, self.ecfg.max_model_len)) for r in self.running)
         return need > self.pages.num_free
 
     def _pages_for(self, row: ScheduledRow) -> int:
@@ -171,7 +174,10 @@ class Scheduler:
         plan = []  # (row, launch_steps, token_budget, end of the positions it may write)
         for row in out.rows:
             req = row.request
-            left = min(req.sampling_params.max_tokens - len(req.output_token_ids), max_len - req.num_tokens)
+            # (a lower bound of the outputs: with a verify launch in flight the budget may exceed what is
+            # left, never fall short of it; a row the device stops early would commit garbage state)
+            outputs = req.num_outputs_lower_bound
+            left = min(req.sampling_params.max_tokens - outputs, max_len - len(req.prompt_token_ids) - outputs)
             if kind == RowKind.DECODE:
                 n = max(1, min(num_steps, left))
                 plan.append((row, n, n, req.num_computed + n))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -134,3 +137,37 @@ def run_recorded(eng, prompts: list[list[int]], params: list, per_step: int = 2)
     rids = run_staggered(eng, prompts, per_step, params)
     eng.run_until_done()
     return [eng.output(r) for r in rids], [eng.fed_tokens.get(r) for r in rids]
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_model(num_prompts: int = 6):
+    """The shipped model (fp32) and the encoded prompts of its first test problems: a model whose MTP
+    drafts are mostly accepted. Returns (params, cfg, prompts)."""
+    import jax.numpy as jnp
+
+    from jaxgdn import task
+    from jaxgdn.checkpoint import load_checkpoint
+    from jaxgdn.tokenizer import load_tokenizer
+
+    cfg, params = load_checkpoint(SHIPPED, dtype=jnp.float32)
+    tok = load_tokenizer(SHIPPED)
+    return params, cfg, [tok.encode(p.prompt()) for p in task.take("test", num_prompts)]
+
+
+def shipped_workload(num_prompts: int = 6):
+    """The shipped model's first num_prompts (4..6) test prompts with mixed sampling: greedy, a stop token
+    (its 10th greedy output of prompt 1), a short max_tokens, and (prompts 3, 4) seeded samplers.
+    Returns (params, cfg, prompts, sampling params)."""
+    from jaxgdn.request import SamplingParams
+
+    params, cfg, prompts = shipped_model()
+    stop = naive_greedy(params, cfg, prompts[1], 12)[9]
+    sp = [SamplingParams(temperature=0, max_tokens=40) for _ in prompts]
+    sp[1] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(stop,))
+    sp[2] = SamplingParams(temperature=0, max_tokens=7)
+    sp[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30)
+    sp[4] = SamplingParams(temperature=1.0, top_k=4, seed=8, max_tokens=25)
+    return params, cfg, prompts[:num_prompts], sp[:num_prompts]

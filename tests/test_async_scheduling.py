@@ -4,11 +4,11 @@ reasons, fed tokens and the pools must be exactly those of the synchronous engin
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, run_recorded, small_config
+from helpers import naive_greedy, run_recorded, shipped_workload, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
-from jaxgdn.request import SamplingParams
+from jaxgdn.request import PLACEHOLDER_TOKEN, SamplingParams
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=31)
@@ -73,15 +73,88 @@ def test_async_launches_the_next_step_before_fetching_the_last():
     assert eng.output(0).token_ids == naive_greedy(PARAMS, CFG, prompt(7, 4), 4)
 
 
-@pytest.mark.parametrize("kw", [dict(num_speculative_tokens=1), dict(pd=True)])
-def test_async_scheduling_refuses_drafts_and_pd(kw):
+def test_async_scheduling_refuses_pd():
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(async_scheduling=True, **kw)
+        EngineConfig(async_scheduling=True, pd=True)
 
 
 def test_async_scheduling_is_the_default_where_it_can_be():
     assert EngineConfig().uses_async_scheduling
-    assert not EngineConfig(num_speculative_tokens=1).uses_async_scheduling
+    assert not EngineConfig(num_speculative_tokens=1).uses_async_scheduling  # opt-in with MTP for now
+    assert EngineConfig(num_speculative_tokens=1, async_scheduling=True).uses_async_scheduling
     assert not EngineConfig(pd=True).uses_async_scheduling
     assert not EngineConfig(async_scheduling=False).uses_async_scheduling
     assert engine(None).async_scheduling and not engine(False).async_scheduling
+
+
+# ---------------------------------------------------------------------------------- with MTP drafts
+def mtp_engine(params, cfg, async_scheduling: bool, steps: int, K: int, **kw) -> LLMEngine:
+    base = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8, dtype="float32",
+                num_speculative_tokens=K, decode_steps_per_launch=steps)
+    return LLMEngine(params, cfg, EngineConfig(**{**base, **kw}, async_scheduling=async_scheduling), garbage_seed=5)
+
+
+def assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed: int):
+    (s_out, s_fed), (a_out, a_fed) = sync, asyn
+    for s, a in zip(s_out, a_out):
+        assert (a.token_ids, a.finish_reason, a.num_drafted, a.num_accepted_drafts) == (
+            s.token_ids, s.finish_reason, s.num_drafted, s.num_accepted_drafts)
+        assert PLACEHOLDER_TOKEN not in a.token_ids
+    # The async engine feeds what the synchronous one does, plus the rows of launches it had booked for
+    # requests that stopped in the launch before (discarded). Whether a 1-token prompt tail is padded with
+    # -1 placeholder drafts depends on what else runs in its step, which differs between the two.
+    for s, a in zip(s_fed, a_fed):
+        s, a = [f for f in s if f[1] != -1], [f for f in a if f[1] != -1]
+        assert set(s) <= set(a) and len(a) - len(s) <= extra_fed
+    assert async_eng.spec_metrics() == sync_eng.spec_metrics()
+    assert async_eng.scheduler.pages.num_free == async_eng.runner.state.layers[-1].k.shape[0] - 1
+    assert async_eng.scheduler.slots.num_free == async_eng.ecfg.max_num_seqs
+    for req in async_eng.requests.values():  # no booking left behind
+        assert req.output_slack == 0 or req.finish_reason is not None
+
+
+@pytest.mark.parametrize("K, steps", [pytest.param(1, 1, marks=pytest.mark.slow), (3, 3)])
+def test_async_mtp_equals_sync_on_accepted_drafts(K, steps):
+    """The shipped model accepts most drafts: every verify launch is booked as if all were accepted and
+    the next one starts where the device says. Greedy, seeded sampling, a stop token and max_tokens."""
+    params, cfg, prompts, sp = shipped_workload(4)  # (4 prompts, 4 slots: fewer bucket shapes to compile)
+    sync_eng, async_eng = mtp_engine(params, cfg, False, steps, K), mtp_engine(params, cfg, True, steps, K)
+    sync = run_recorded(sync_eng, prompts, sp)
+    asyn = run_recorded(async_eng, prompts, sp)
+    assert sync[0][1].finish_reason == "stop" and sync[0][2].finish_reason == "length"
+    assert sync_eng.spec_metrics()["acceptance_rate"] > 0.5
+    assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed=2 * steps * (1 + K))
+
+
+def test_async_mtp_equals_sync_on_rejected_drafts_near_max_model_len_and_preempted():
+    """Random weights reject most drafts (the booking is undone every launch); a request runs into
+    max_model_len; a small pool preempts."""
+    prompts = [prompt(200 + i, n) for i, n in enumerate((3, 9, 17, 100, 2, 1))]
+    sp = [SamplingParams(temperature=0, max_tokens=24) for _ in prompts]
+    sp[2] = SamplingParams(temperature=1.5, seed=3, max_tokens=24)  # sampled: some drafts accepted
+    sp[4] = SamplingParams(temperature=0, max_tokens=5)
+    kw = dict(max_model_len=120, num_kv_pages=1 + 24)
+    sync_eng = mtp_engine(PARAMS, CFG, False, 2, 2, **kw)
+    async_eng = mtp_engine(PARAMS, CFG, True, 2, 2, **kw)
+    sync = run_recorded(sync_eng, prompts, sp)
+    asyn = run_recorded(async_eng, prompts, sp)
+    assert sync[0][3].finish_reason == "length" and len(sync[0][3].token_ids) == 20  # 100 + 20 = 120
+    assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed=2 * 2 * 3)
+    assert sum(o.num_preemptions for o in asyn[0]) > 0
+
+
+def test_async_mtp_books_every_draft_accepted_and_undoes_it():
+    eng = mtp_engine(PARAMS, CFG, True, 1, 2)
+    rid = eng.add_request(prompt(300, 5), SamplingParams(temperature=0, max_tokens=30))
+    req = eng.requests[rid]
+    eng.step()  # the prompt: one token booked, drafts on the device
+    assert (req.num_computed, req.output_token_ids, len(req.spec_token_ids)) == (5, [PLACEHOLDER_TOKEN], 2)
+    eng.step()  # a verify window booked as all accepted; the prompt's token applied
+    assert req.num_computed == 5 + 3 and len(req.output_token_ids) == 1 + 3 and req.output_slack == 2
+    assert req.output_token_ids[0] != PLACEHOLDER_TOKEN
+    eng.step()  # the first window applied: random drafts are rejected, so its unused 2 come off
+    emitted = 1 + eng.accepted_per_position.sum()
+    assert req.num_computed == 5 + emitted + 3 and len(req.output_token_ids) == 1 + emitted + 3
+    assert req.spec_excess == 3 - emitted
+    eng.run_until_done()
+    assert eng.output(rid).token_ids == naive_greedy(PARAMS, CFG, prompt(300, 5), 30)

@@ -24,11 +24,11 @@ def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
         assert "MTP K=2" in out and "PD:" in out
 
 
-def test_cli_rejects_async_scheduling_with_mtp(tmp_path, capsys):
+def test_cli_rejects_async_scheduling_with_pd(tmp_path, capsys):
     cfg = small_config(eos_token_ids=())
     save_checkpoint(tmp_path / "ck", cfg, init_random_params(cfg, seed=2))
     rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6", "--async-scheduling", "on",
-                        "--num-speculative-tokens", "1"])
+                        "--num-speculative-tokens", "1", "--pd"])
     assert rc == 2 and "async_scheduling needs" in capsys.readouterr().err
 
 

@@ -1,13 +1,11 @@
 """GPU-only checks (pytest -m gpu): compiled kernels against their references, and the PD + MTP engine
 with the Triton and Pallas input-assembly kernels against plain greedy decoding."""
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, small_config
+from helpers import naive_greedy, shipped_model, small_config
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
 from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
@@ -174,17 +172,10 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     """With MTP the GPU default runs 4 verify steps per launch (the pool kernel reads the checkpoint the
     launch's previous step committed): on the shipped model, which accepts most drafts, outputs and
     acceptance equal one step per launch, and greedy ones plain greedy decoding."""
-    import jax.numpy as jnp
-
-    from jaxgdn import task
-    from jaxgdn.checkpoint import load_checkpoint
     from jaxgdn.engine import LLMEngine
-    from jaxgdn.tokenizer import load_tokenizer
 
-    shipped = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
-    cfg, params = load_checkpoint(shipped, dtype=jnp.float32)
-    tok = load_tokenizer(shipped)
-    prompts = [tok.encode(p.prompt()) for p in task.take("test", 4)]
+    params, cfg, prompts = shipped_model()
+    prompts = prompts[:4]
     sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),
            SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25),
            SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)]

@@ -2,14 +2,10 @@
 outputs, finish reasons, drafts accepted and fed tokens are exactly those of one step per launch, also
 when a request stops inside a launch or reaches its length limit, and the pools drain."""
 
-import functools
-from pathlib import Path
-
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, run_recorded, small_config
+from helpers import naive_greedy, run_recorded, shipped_workload, small_config
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
@@ -101,24 +97,9 @@ def test_decode_steps_per_launch_config():
 
 
 # ---------------------------------------------------------------------------------- MTP verify steps
-SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
-
-
-@functools.lru_cache(maxsize=None)
-def shipped_model():
-    """The shipped model (fp32) and the encoded prompts of its first test problems: drafts it accepts."""
-    from jaxgdn import task
-    from jaxgdn.checkpoint import load_checkpoint
-    from jaxgdn.tokenizer import load_tokenizer
-
-    cfg, params = load_checkpoint(SHIPPED, dtype=jnp.float32)
-    tok = load_tokenizer(SHIPPED)
-    return params, cfg, [tok.encode(p.prompt()) for p in task.take("test", 6)]
-
-
 def verify_engine(params, cfg, steps: int, K: int, **kw) -> LLMEngine:
     base = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8, dtype="float32",
-                num_speculative_tokens=K)
+                num_speculative_tokens=K, async_scheduling=False)  # (async: tests/test_async_scheduling.py)
     return LLMEngine(params, cfg, EngineConfig(**{**base, **kw}, decode_steps_per_launch=steps), garbage_seed=5)
 
 
@@ -134,17 +115,11 @@ def assert_same_serving(single, multi, single_eng, multi_eng):
     assert multi_eng.scheduler.slots.num_free == multi_eng.ecfg.max_num_seqs
 
 
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("K", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_verify_launches_equal_single_steps_on_accepted_drafts(K):
     """The shipped model accepts most drafts, so each verify step of a launch starts at a position only
     the device knows. Greedy and seeded sampling, a stop token and max_tokens inside a launch."""
-    params, cfg, prompts = shipped_model()
-    greedy = naive_greedy(params, cfg, prompts[1], 12)
-    sp = [SamplingParams(temperature=0, max_tokens=40) for _ in prompts]
-    sp[1] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(greedy[9],))
-    sp[2] = SamplingParams(temperature=0, max_tokens=7)
-    sp[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30)
-    sp[4] = SamplingParams(temperature=1.0, top_k=4, seed=8, max_tokens=25)
+    params, cfg, prompts, sp = shipped_workload()
     single_eng, multi_eng = verify_engine(params, cfg, 1, K), verify_engine(params, cfg, 3, K)
     single = run_recorded(single_eng, prompts, sp)
     multi = run_recorded(multi_eng, prompts, sp)

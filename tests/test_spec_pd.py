@@ -268,7 +268,8 @@ def test_mtp_draft_equals_dense_mtp_head():
     from jaxgdn.mtp import mtp_forward
 
     p = prompt(1000, 9)
-    eng = LLMEngine(PARAMS, CFG, ecfg(num_speculative_tokens=1))
+    # synchronous: the step brings its drafts to the host (async scheduling leaves them on the device)
+    eng = LLMEngine(PARAMS, CFG, ecfg(num_speculative_tokens=1, async_scheduling=False))
     eng.add_request(p, SamplingParams(temperature=0, max_tokens=3))
     eng.step()  # the prefill samples y_1 and drafts d_1
     req = eng.scheduler.running[0]

@@ -74,9 +74,12 @@ def spec_table(d: dict) -> list[str]:
     if not modeled:
         return lines
     rates = d.get("modeled_acceptance", [])
-    columns = ["K", "batch", "steps/launch", "ms/step", "device ms/step"] + [f"speed-up at p={p}" for p in rates]
+    columns = ["K", "batch", "scheduling", "steps/launch", "ms/step", "device ms/step"] + [
+        f"speed-up at p={p}" for p in rates]
+    scheduling = {True: "async", False: "sync", None: "-"}
     return lines + [""] + _table(columns, modeled, lambda r: [
-        str(r["K"]), str(r["batch"]), _fmt(r.get("steps_per_launch"), "d"), f"{r['ms_per_step']:.3f}",
+        str(r["K"]), str(r["batch"]), scheduling[r.get("async_scheduling")], _fmt(r.get("steps_per_launch"), "d"),
+        f"{r['ms_per_step']:.3f}",
         _fmt(r.get("device_ms_per_step"), ".3f")] + [_fmt(r.get(f"speedup_vs_no_mtp_at_p{p}"), ".2f") for p in rates])
 
 
