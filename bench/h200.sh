@@ -2,16 +2,16 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-shipped|pd|startup|probes|gdn-probes ...]
-#   (default: all but the seven extras, in this order: decode-fla times transformers + fla alone (one call),
-#   probes the cold-weight product probe (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms,
-#   decode-1step times one decode step per launch,
+#                       prefill-pallas|spec|spec-async|spec-shipped|pd|startup|probes|gdn-probes ...]
+#   (default: all but the eight extras, in this order: spec-async times async scheduling with MTP drafts,
+#   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
+#   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
 #   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
-# allows 600 s: pass one to three steps per call (e.g. "tests-engine", "tests-kernels", "decode", "prefill spec").
+# allows 600 s: pass one to three steps per call (e.g. "tests-engine", "tests-kernels", "decode", "prefill", "spec").
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site gpu_wheels/*.whl
 export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -24,7 +24,8 @@ for step in $steps; do
     # The GPU suite in two halves, one device call each (r11: the engine tests and the first two kernel tests
     # took the whole 420 s the suite once had; the 16 kernel tests took ~270 s); -v so a cut run still
     # names what passed. The two-device test runs apart (skipped on one GPU) with a stack dump if it stalls.
-    tests-engine) timeout 400 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or four_steps" \
+    # (r13 added the 4-verify-steps test, ~190 s alone, to the engine half: it may now need its own call.)
+    tests-engine) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or four_steps" \
                -o faulthandler_timeout=150 > "$dest/gpu-tests-engine_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$dest/gpu-tests-engine_$stamp.txt" ;;
     tests-kernels) timeout 450 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
@@ -44,7 +45,11 @@ for step in $steps; do
     prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # spec alone in a call: with 4 verify steps per launch its 0.8B programs compile for minutes (r14 ran
+    # past 340 s); spec-async times async scheduling with MTP drafts (opt-in) the same way
+    spec)    timeout 560 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    spec-async) timeout 560 python3 -m jaxgdn.bench spec --async-scheduling on --out "$dest/spec-async_gpu_$stamp.json" \
+               2>&1 | grep -v Warning ;;
     # the shipped model's rows only (no 0.8B modeled rows): about half the time of "spec"
     spec-shipped) timeout 200 python3 -m jaxgdn.bench spec --model "" --out "$dest/spec-shipped_gpu_$stamp.json" \
                2>&1 | grep -v Warning ;;
