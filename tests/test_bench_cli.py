@@ -43,9 +43,11 @@ def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     prof = d["rows"][0]["profile_per_step"]  # the trace of replayed steps is summarised into the row
     assert prof["busy_us"] > 0 and prof["events"] > 0 and prof["top"]
     if command == "decode":
-        # per request: the prompt's token, 5 warm-up launches, the 8 timed steps and 5 traced launches after
-        # them, all launches whole (2 steps)
-        assert d["rows"][0]["async_scheduling"] and d["rows"][1]["generated"] == 2 * (1 + 2 * (5 + 4 + 5))
+        # per request: the prompt's token, the 4 warm-up launches back when the window opens (the 5th is in
+        # flight), the 8 timed steps and 5 traced launches after them, all launches whole (2 steps); no
+        # compile in the window
+        assert d["rows"][0]["async_scheduling"] and d["rows"][1]["generated"] == 2 * (1 + 2 * (4 + 4 + 5))
+        assert [r["window_reopened_after_compile"] for r in d["rows"]] == [0, 0]
         # the 4 timed calls bring back the launch in flight when they start (its device time is in the window)
         # and 3 of the 4 they dispatch: the 4th comes back in the first traced call, outside the window
         # (profiled calls run slower). 8 steps, never a masked step.

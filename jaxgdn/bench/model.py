@@ -108,9 +108,9 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
                      profile_dir: str | None = None, attention_impl: str = "xla",
                      async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None) -> dict:
     """Wall time per decode step of the engine in steady state: the engine.step() calls after the prompt
-    call and `warm` compile/warm-up launches, summed, over the tokens per row whose results they brought
-    back. `steps` is rounded up to whole launches (a launch may run several decode steps:
-    decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
+    call and `warm` compile/warm-up launches (and 2 calls after any later compile), summed, over the tokens
+    per row whose results they brought back. `steps` is rounded up to whole launches (a launch may run
+    several decode steps: decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
     trace 5 more engine.step() calls after the timed ones (host work included) into profile_dir + "-engine"
     and 5 replayed device launches into profile_dir, and summarise their kernels and host runtime events.
     Traced calls stay out of the timed window: under the profiler (CUPTI) a batch-1 launch of 4 steps
@@ -127,17 +127,23 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     from ..request import PLACEHOLDER_TOKEN, SamplingParams
 
     warm = 5  # launches: the first runs op by op, the second records the CUDA graph; then steady state
+    # The window opens `warm_after_compile` calls after the last call that compiled a new program (a bucket
+    # crossed, e.g. the block-table width, which async MTP reaches a launch early since it books every draft
+    # as accepted: spec-r15-async read 1133 ms/step at K=3); a compile inside the window reopens it,
+    # at most `max_reopens` times.
+    warm_after_compile, max_reopens = 2, 2
     config = dict(batch=batch, max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
                   attention_impl=attention_impl, async_scheduling=async_scheduling,
                   decode_steps_per_launch=decode_steps_per_launch)
     per_launch = bench_engine_config(max_model_len=prompt_len + 1, **config).resolved_decode_steps(
         jax.default_backend())
     traced_launches = 5 if profile_dir else 0
-    # whole launches after the prompt's token: warm-up, timed, traced
-    decode_tokens = per_launch * (warm + -(-steps // per_launch) + traced_launches)
-    # With MTP a verify step emits 1..1+K tokens: max_tokens leaves room for decode_tokens steps with every
-    # draft accepted, and max_model_len for that plus a launch of verify windows (Scheduler.launch_steps).
-    max_tokens = 1 + decode_tokens * (1 + K)
+    timed_launches = -(-steps // per_launch)
+    after_open = per_launch * (timed_launches + traced_launches)  # model steps per row, timed and traced
+    # With MTP a verify step emits 1..1+K tokens: max_tokens leaves room for every step with every draft
+    # accepted, and max_model_len for that plus a launch of verify windows (Scheduler.launch_steps).
+    max_tokens = 1 + (per_launch * (warm + (1 + max_reopens) * (warm_after_compile + timed_launches))
+                      + traced_launches * per_launch) * (1 + K)
     room = per_launch * (1 + K) + K if K else 0
     eng = make_engine(params, cfg, max_model_len=prompt_len + max_tokens + room + 8, **config)
     rng = np.random.default_rng(batch)
@@ -153,24 +159,34 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
         return eng.num_verify_rows / batch if K else tokens_back() / batch
 
     times, t_first, before, after = [], time.perf_counter(), None, None
-    traced = 0
+    first_timed = target = None  # the window's first call; steps_back() that ends it
+    last_compile, reopens, traced = 0, 0, 0  # calls up to the last one that compiled
     with contextlib.ExitStack() as tracing:
-        # With MTP the rows' lengths depend on acceptance: stop after the steps planned (every row still
-        # running, so no launch of fewer rows, a new bucket, falls in the window).
-        while eng.has_unfinished and not (K and steps_back() >= decode_tokens):
-            # the prompt call and `warm` decode calls (they compile and warm the decode program) are not timed
-            if len(times) == 1 + warm:
+        # Stop after the steps planned, every row still running, so no launch of fewer rows (a new bucket)
+        # falls in the window.
+        while eng.has_unfinished and (target is None or steps_back() < target):
+            # the prompt call and the warm-up calls (they compile and warm the decode program) are not timed
+            if first_timed is None and len(times) >= max(1 + warm, last_compile + warm_after_compile):
                 before, steps_before, first_timed = dict(eng.timings), steps_back(), len(times)
+                target = steps_before + after_open
             # the timed window closes where the traced calls (real steps, host preparation included) begin
-            if traced_launches and after is None and eng.num_steps >= decode_tokens - traced_launches * per_launch:
+            if traced_launches and first_timed is not None and after is None \
+                    and steps_back() >= target - traced_launches * per_launch:
                 after = dict(eng.timings), steps_back(), len(times)
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
             traced += after is not None
+            compiled = eng.runner.num_compiled_shapes
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
+            if eng.runner.num_compiled_shapes > compiled and after is None:
+                last_compile = len(times)
+                if first_timed is not None:
+                    if reopens == max_reopens:
+                        raise RuntimeError(f"a new program compiled inside the timed window {reopens + 1} times")
+                    reopens, first_timed, target = reopens + 1, None, None
     timings_after, steps_after, last_timed = after or (dict(eng.timings), steps_back(), len(times))
-    if before is None or steps_after <= steps_before:
+    if first_timed is None or steps_after <= steps_before:
         raise ValueError(f"--steps {steps}: no decode step left to time after {warm} warm-up calls")
     decode = times[first_timed:last_timed]
     decode_steps = steps_after - steps_before  # model steps whose results came back
@@ -178,7 +194,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     generated = tokens_back()
     out = {"async_scheduling": eng.async_scheduling, "decode_steps_per_launch": per_launch,
            "ms_per_step": sum(decode) / decode_steps * 1e3, "ms_per_call_median": statistics.median(decode) * 1e3,
-           "timed_steps": decode_steps,
+           "timed_steps": decode_steps, "window_reopened_after_compile": reopens,
            "device_ms_per_step": eng.runner.time_device_step(),
            # the same replays on one device copy of the input: the whole graph at fixed addresses
            "device_ms_per_step_fixed_input": eng.runner.time_device_step(fresh_input=False),

@@ -87,6 +87,7 @@ def modeled_spec(model: str, ks, batch: int, prompt_len: int, steps: int, rates,
         row = {"K": K, "batch": batch, "ms_per_step": r["ms_per_step"], "device_ms_per_step": r["device_ms_per_step"],
                "steps_per_launch": r["decode_steps_per_launch"], "async_scheduling": r["async_scheduling"],
                "host_phase_ms_per_step": r["host_phase_ms_per_step"],
+               "window_reopened_after_compile": r["window_reopened_after_compile"],
                "measured_acceptance_rate": (r["spec"] or {}).get("acceptance_rate")}
         for p in rates:
             tokens = expected_tokens_per_step(p, K)
