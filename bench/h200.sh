@@ -2,8 +2,8 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-async|spec-shipped|pd|startup|probes|gdn-probes ...]
-#   (default: all but the eight extras, in this order: spec-async times async scheduling with MTP drafts,
+#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes ...]
+#   (default: all but the nine extras, sampling-probes the sampled-MTP pad-token hunt, in this order: spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
@@ -46,9 +46,9 @@ for step in $steps; do
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # spec alone in a call: with 4 verify steps per launch its 0.8B programs compile for minutes (r14 ran
-    # past 340 s); spec-async times async scheduling with MTP drafts (opt-in) the same way
+    # past 340 s); spec-sync times MTP with synchronous scheduling (the default is async) the same way
     spec)    timeout 560 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    spec-async) timeout 560 python3 -m jaxgdn.bench spec --async-scheduling on --out "$dest/spec-async_gpu_$stamp.json" \
+    spec-sync) timeout 560 python3 -m jaxgdn.bench spec --async-scheduling off --out "$dest/spec-sync_gpu_$stamp.json" \
                2>&1 | grep -v Warning ;;
     # the shipped model's rows only (no 0.8B modeled rows): about half the time of "spec"
     spec-shipped) timeout 200 python3 -m jaxgdn.bench spec --model "" --out "$dest/spec-shipped_gpu_$stamp.json" \
@@ -62,6 +62,14 @@ for step in $steps; do
     # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # sampled MTP rows on the GPU (they emitted the pad token 0 in r16): the sampler alone against the CPU,
+    # then the engine's sampled rows under settings that each remove one suspect (kernels, GEMM fusions,
+    # command buffers); compare with the CPU's outputs in bench/results/engine-sampling-probe_gpu_20261201.txt
+    sampling-probes) JAX_PLATFORMS=cuda,cpu timeout 100 python3 bench/probes/sampling_backends.py \
+               "$dest/sampling-backends-probe_gpu_$stamp.json" 2>&1 | grep -v Warning | grep -c same
+             for v in "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+               echo "== $v"; env "$v" timeout 150 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
+             done | tee "$dest/engine-sampling-probes_gpu_$stamp.txt" ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \
                --out "$dest/startup_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

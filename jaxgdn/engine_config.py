@@ -42,10 +42,10 @@ class EngineConfig:
     async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
       the device (vLLM's async scheduling); same outputs. With MTP drafts a verify launch is booked as if
       every draft were accepted and the next launch starts where the device's count says
-      (EngineState.num_computed). Not with PD. None (default): on without MTP drafts and PD (with MTP,
-      True turns it on: tested exact on CPU, not yet timed on the GPU); on the H200 it cut a 0.8B decode
-      step from 3.26 to 1.94 ms at batch 1 (bench/results/decode-r3-resident_gpu_20261130.json and
-      decode-async_gpu_20261130.json).
+      (EngineState.num_computed). Not with PD. None (default): on wherever it can be (not PD). On the
+      H200 it cut a 0.8B decode step from 3.26 to 1.94 ms at batch 1 (bench/results/
+      decode-r3-resident_gpu_20261130.json and decode-async_gpu_20261130.json), and a 0.8B verify step at
+      batch 32 from 3.07 / 3.50 / 4.23 ms to 2.11 / 2.69 / 3.10 ms at K = 1 / 2 / 3 (spec-r13 vs spec-r16).
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
       waiting request could start and either every row is a plain decode with room for them (with async
       scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
@@ -116,8 +116,8 @@ class EngineConfig:
     @property
     def uses_async_scheduling(self) -> bool:
         """async_scheduling resolved: None means on wherever it can be."""
-        if self.async_scheduling is None:  # with MTP opt-in until the H200 shows it pays (README, Spec)
-            return self.num_speculative_tokens == 0 and not self.pd
+        if self.async_scheduling is None:
+            return not self.pd
         return self.async_scheduling
 
     def resolved_decode_steps(self, platform: str) -> int:

@@ -56,8 +56,7 @@ def parse_args(argv=None):
     e.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
                    help="launch each step before the previous step's tokens are back (host work overlaps the "
                         "device; same outputs; with MTP drafts the next verify step starts where the device's count "
-                        "of accepted drafts says). auto (default): on without MTP drafts and --pd; on: also with "
-                        "MTP drafts (not yet timed on a GPU), refused with --pd")
+                        "of accepted drafts says). auto (default): on unless --pd; on: refused with --pd")
     e.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
                    help="run N model steps per device launch when every request is decoding: decode steps "
                         "(async scheduling) or MTP verify steps (not --pd); same outputs, the host's per-step "

@@ -117,6 +117,39 @@ def naive_greedy(params, cfg: ModelConfig, prompt: list[int], num_tokens: int, p
 _naive_fwd: dict = {}
 
 
+def full_logits(params, cfg: ModelConfig, ids: list[int], pad_to: int = 256) -> np.ndarray:
+    """Logits [len(ids), V] (fp32) of one full forward over ids, no cache (right-padded as naive_greedy)."""
+    import jax
+
+    from jaxgdn.model import forward
+
+    fwd = _naive_fwd.setdefault(id(cfg), jax.jit(forward, static_argnums=1))
+    n = len(ids)
+    padded = np.zeros((1, max(pad_to, 1 << (n - 1).bit_length())), np.int32)
+    padded[0, :n] = ids
+    return np.asarray(fwd(params, cfg, padded)[0][0, :n], np.float32)
+
+
+def outside_sampling_support(params, cfg: ModelConfig, prompt: list[int], output: list[int], sp,
+                             slack: float = 1e-3) -> list[tuple[int, int]]:
+    """(index, token) of each output token that sampling params sp could not have produced: outside
+    top_k (if set) or else the top_p nucleus of the reference distribution at its position (logits /
+    temperature). Exact whatever the random draws, so it checks a sampled (or speculatively verified)
+    output without replaying its noise. slack: margin in logits and probability mass for float error."""
+    logits = full_logits(params, cfg, list(prompt) + list(output))[len(prompt) - 1: len(prompt) - 1 + len(output)]
+    bad = []
+    for i, (row, tok) in enumerate(zip(logits.astype(np.float64) / max(sp.temperature, 1e-6), output)):
+        if sp.top_k > 0:
+            outside = row[tok] < np.sort(row)[-min(sp.top_k, len(row))] - slack
+        else:
+            probs = np.exp(row - row.max())
+            probs /= probs.sum()
+            outside = probs[row > row[tok] + slack].sum() >= sp.top_p + slack  # mass of the likelier tokens
+        if outside:
+            bad.append((i, tok))
+    return bad
+
+
 def run_staggered(eng, prompts: list[list[int]], per_step: int, params) -> list[int]:
     """Add `per_step` requests before each engine step, so new requests join running batches. params: one
     SamplingParams for all, or one per prompt."""
@@ -171,3 +204,26 @@ def shipped_workload(num_prompts: int = 6):
     sp[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30)
     sp[4] = SamplingParams(temperature=1.0, top_k=4, seed=8, max_tokens=25)
     return params, cfg, prompts[:num_prompts], sp[:num_prompts]
+
+
+def assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed: int):
+    """An async engine's run_recorded results equal a synchronous one's: outputs, drafts accepted, fed
+    tokens (up to extra_fed more: rows booked for requests that stopped), pools drained, no booking left."""
+    from jaxgdn.request import PLACEHOLDER_TOKEN
+
+    (s_out, s_fed), (a_out, a_fed) = sync, asyn
+    for s, a in zip(s_out, a_out):
+        assert (a.token_ids, a.finish_reason, a.num_drafted, a.num_accepted_drafts) == (
+            s.token_ids, s.finish_reason, s.num_drafted, s.num_accepted_drafts)
+        assert PLACEHOLDER_TOKEN not in a.token_ids
+    # The async engine feeds what the synchronous one does, plus the rows of launches it had booked for
+    # requests that stopped in the launch before (discarded). Whether a 1-token prompt tail is padded with
+    # -1 placeholder drafts depends on what else runs in its step, which differs between the two.
+    for s, a in zip(s_fed, a_fed):
+        s, a = [f for f in s if f[1] != -1], [f for f in a if f[1] != -1]
+        assert set(s) <= set(a) and len(a) - len(s) <= extra_fed
+    assert async_eng.spec_metrics() == sync_eng.spec_metrics()
+    assert async_eng.scheduler.pages.num_free == async_eng.runner.state.layers[-1].k.shape[0] - 1
+    assert async_eng.scheduler.slots.num_free == async_eng.ecfg.max_num_seqs
+    for req in async_eng.requests.values():  # no booking left behind
+        assert req.output_slack == 0 or req.finish_reason is not None

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import naive_greedy, shipped_model, small_config
+from helpers import naive_greedy, outside_sampling_support, shipped_model, small_config
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
 from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
@@ -168,26 +168,53 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
         assert got == naive_greedy(params, cfg, p, sp.max_tokens)
 
 
-def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
-    """With MTP the GPU default runs 4 verify steps per launch (the pool kernel reads the checkpoint the
-    launch's previous step committed): on the shipped model, which accepts most drafts, outputs and
-    acceptance equal one step per launch, and greedy ones plain greedy decoding."""
+def serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling):
+    """Serve prompts with MTP K=2 (fp32) to the end; decode_steps_per_launch=steps, async_scheduling=
+    scheduling (None: the defaults). Returns (engine, request ids)."""
     from jaxgdn.engine import LLMEngine
 
+    ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8,
+                        dtype="float32", num_speculative_tokens=2, decode_steps_per_launch=steps,
+                        async_scheduling=scheduling)
+    eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
+    eng.run_until_done()
+    return eng, rids
+
+
+@pytest.mark.parametrize("steps, scheduling", [(1, False), (None, None)])
+def test_sampled_mtp_tokens_on_gpu_lie_in_the_sampling_support(steps, scheduling):
+    """Every token a sampled MTP row emits (an accepted draft, a residual draw or the bonus token) lies in
+    the top_k / top_p support of the reference distribution at its position, however the noise fell.
+    (2026-12-01 r16: on the H200 sampled verify rows emitted the never-trained pad token 0 at one
+    synchronous verify step per launch and at the default, while the same engine on the CPU, its Pallas
+    kernels interpreted, did not: bench/results/engine-sampling-probe_gpu_20261201.txt.)"""
+    params, cfg, prompts = shipped_model()
+    sps = [SamplingParams(temperature=0.9, top_p=0.8, seed=3 + i, max_tokens=25) for i in range(3)] + [
+        SamplingParams(temperature=1.1, top_k=5, seed=7 + i, max_tokens=25) for i in range(3)]
+    eng, rids = serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling)
+    bad = {r: outside_sampling_support(params, cfg, p, eng.output(r).token_ids, sp)
+           for r, p, sp in zip(rids, prompts, sps)}
+    assert not any(bad.values()), bad
+    assert eng.spec_metrics()["num_accepted"] > 0
+
+
+def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
+    """With MTP the GPU default runs 4 verify steps per launch (the pool kernel reads the checkpoint the
+    launch's previous step committed) under async scheduling (each launch booked as if every draft were
+    accepted, the next one rebased on the device's count): on the shipped model, which accepts most drafts,
+    outputs and acceptance equal one synchronous step per launch, and greedy ones plain greedy decoding."""
     params, cfg, prompts = shipped_model()
     prompts = prompts[:4]
     sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),
            SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25),
            SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)]
     outs = {}
-    for steps in (None, 1):  # None: the engine's GPU default
-        ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8,
-                            dtype="float32", num_speculative_tokens=2, decode_steps_per_launch=steps)
-        eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
-        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
-        eng.run_until_done()
+    for steps, scheduling in ((None, None), (1, False)):  # None: the engine's GPU default
+        eng, rids = serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling)
         outs[steps] = ([eng.output(r).token_ids for r in rids], eng.spec_metrics())
-        assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps) == ((4, True) if steps is None else (1, False))
+        expected = (4, True, True) if steps is None else (1, False, False)
+        assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps, eng.async_scheduling) == expected
     assert outs[None] == outs[1]
     assert outs[1][1]["acceptance_rate"] > 0.5
     for p, sp, got in zip(prompts[:2], sps[:2], outs[None][0][:2]):  # (a request may stop on its eos)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import small_config
+from helpers import outside_sampling_support, shipped_model, small_config
 from jaxgdn import LLM, EngineConfig, SamplingParams
 from jaxgdn.checkpoint import save_checkpoint
 from jaxgdn.params import init_random_params
@@ -102,3 +102,25 @@ def jax_keys(R, K):
     import jax
 
     return jax.vmap(lambda i: jax.random.key(i))(jax.numpy.arange(R * (K + 1))).reshape(R, K + 1)
+
+
+# Outputs of shipped-model prompts 2 and 3 under MTP K=2, one synchronous verify step per launch
+# (bench/probes/engine_sampling.py): on the H200 and on the CPU with the same engine and kernels interpreted.
+TOP_P_ROW = SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25)
+TOP_K_ROW = SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)
+ON_H200 = ([3, 49, 77, 69, 3, 0, 89, 93, 0, 23, 16, 3, 87, 0, 33, 21, 22, 18, 4, 45, 88, 3, 88, 86, 77],
+           [3, 49, 77, 69, 3, 75, 77, 90, 73, 87, 3, 69, 91, 69, 93, 3, 28, 16, 3, 0])
+ON_CPU = ([3, 49, 77, 69, 3, 80, 83, 87, 73, 87, 3, 23, 16, 3, 87, 83, 3, 24, 27, 17, 23, 33, 24, 24, 18],
+          [3, 49, 77, 69, 3, 75, 77, 90, 73, 87, 3, 69, 91, 69, 93, 3, 28, 16, 3, 87])
+
+
+def test_support_check_flags_the_pad_tokens_sampled_on_the_gpu_and_passes_the_cpu_outputs():
+    """outside_sampling_support (the GPU test's check of sampled MTP rows) can fail: it flags the pad
+    token 0 (never trained) that the H200 emitted, and passes the CPU's outputs of the same engine."""
+    params, cfg, prompts = shipped_model()
+    for prompt, sp, gpu, cpu in zip(prompts[2:4], (TOP_P_ROW, TOP_K_ROW), ON_H200, ON_CPU):
+        flagged = outside_sampling_support(params, cfg, prompt, gpu, sp)
+        zeros = [(i, t) for i, t in enumerate(gpu) if t == 0]
+        assert set(zeros) <= set(flagged) and flagged[0] == zeros[0]
+        assert outside_sampling_support(params, cfg, prompt, cpu, sp) == []
+

@@ -1,0 +1,43 @@
+"""Probe: the shipped model's engine with sampled requests; prints each request's tokens and the tokens
+fed back to the device, for comparing backends. Usage: python bench/probes/engine_sampling.py K:steps:sync|async ...
+($GDN_IMPL: EngineConfig.gdn_impl, default auto; $WRITE_KV_KERNEL=1: the KV write kernel on any backend;
+needs tests/ on PYTHONPATH for helpers.shipped_model)."""
+
+import os
+import sys
+
+from helpers import shipped_model
+
+from jaxgdn.engine import LLMEngine
+from jaxgdn.engine_config import EngineConfig
+from jaxgdn.request import SamplingParams
+
+
+def main():
+    if os.environ.get("WRITE_KV_KERNEL"):  # the GPU's KV write kernel off the GPU too (interpret mode)
+        from jaxgdn import paged_forward
+
+        paged_forward.on_gpu = lambda: True
+    params, cfg, prompts = shipped_model()
+    prompts = prompts[:4]
+    sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),
+           SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25),
+           SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)]
+    for spec in sys.argv[1:]:
+        K, steps, mode = spec.split(":")
+        ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8,
+                            dtype="float32", num_speculative_tokens=int(K), decode_steps_per_launch=int(steps),
+                            async_scheduling=mode == "async",
+                            gdn_impl=os.environ.get("GDN_IMPL", "auto"))
+        eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
+        eng.record_inputs = True
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        eng.run_until_done()
+        print(spec, eng.spec_metrics() if int(K) else "", flush=True)
+        for r, prompt in zip(rids, prompts):  # fed: the tokens at the positions after the prompt's
+            print("  out", eng.output(r).token_ids)
+            print("  fed", [t for pos, t in sorted(set(eng.fed_tokens.get(r) or ())) if pos >= len(prompt)])
+
+
+if __name__ == "__main__":
+    main()
