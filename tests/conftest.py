@@ -1,6 +1,11 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # The CPU suite is mostly XLA compiles of programs that then run a few times: less LLVM optimisation
+    # compiles them faster than it slows them (tests/test_multi_step.py rejected-drafts test: 62 -> 36 s).
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+        os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
 # No persistent compilation cache in tests (hermetic runs); test_engine checks the switch itself.
 os.environ.setdefault("JAXGDN_CACHE_DIR", "")
 

@@ -124,3 +124,23 @@ def test_support_check_flags_the_pad_tokens_sampled_on_the_gpu_and_passes_the_cp
         assert set(zeros) <= set(flagged) and flagged[0] == zeros[0]
         assert outside_sampling_support(params, cfg, prompt, cpu, sp) == []
 
+
+
+def test_sampled_request_with_mtp_on_a_gpu_warns_once_about_the_known_bug():
+    """The engine arms the warning on a GPU with MTP drafts (here armed by hand on the CPU): the first
+    sampled request warns, greedy ones and later sampled ones do not."""
+    import warnings
+
+    from jaxgdn.engine import LLMEngine
+
+    eng = LLMEngine(init_random_params(CFG, seed=0), CFG, EngineConfig(max_num_seqs=2, max_model_len=64,
+                                                                       num_speculative_tokens=1))
+    assert not eng._warn_sampled_mtp  # not on the CPU
+    eng._warn_sampled_mtp = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.add_request([1, 2, 3], SamplingParams(temperature=0))
+        eng.add_request([1, 2, 3], SamplingParams(temperature=0.8))
+        eng.add_request([1, 2, 3], SamplingParams(temperature=0.8))
+    assert [str(w.message).split(":")[0] for w in caught] == [
+        "sampled requests (temperature > 0) with MTP drafts on a GPU"]
