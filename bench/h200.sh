@@ -67,7 +67,7 @@ for step in $steps; do
     # command buffers); compare with the CPU's outputs in bench/results/engine-sampling-probe_gpu_20261201.txt
     sampling-probes) JAX_PLATFORMS=cuda,cpu timeout 100 python3 bench/probes/sampling_backends.py \
                "$dest/sampling-backends-probe_gpu_$stamp.json" 2>&1 | grep -v Warning | grep -c same
-             for v in "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+             for v in "PROBE=default" "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
                echo "== $v"; env "$v" timeout 150 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
              done | tee "$dest/engine-sampling-probes_gpu_$stamp.txt" ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \

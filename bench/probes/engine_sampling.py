@@ -6,7 +6,7 @@ needs tests/ on PYTHONPATH for helpers.shipped_model)."""
 import os
 import sys
 
-from helpers import shipped_model
+from helpers import outside_sampling_support, shipped_model
 
 from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
@@ -34,8 +34,9 @@ def main():
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, sps)]
         eng.run_until_done()
         print(spec, eng.spec_metrics() if int(K) else "", flush=True)
-        for r, prompt in zip(rids, prompts):  # fed: the tokens at the positions after the prompt's
-            print("  out", eng.output(r).token_ids)
+        for r, prompt, sp in zip(rids, prompts, sps):  # fed: the tokens at the positions after the prompt's
+            out = eng.output(r).token_ids
+            print("  out", out, "outside the sampling support:", outside_sampling_support(params, cfg, prompt, out, sp))
             print("  fed", [t for pos, t in sorted(set(eng.fed_tokens.get(r) or ())) if pos >= len(prompt)])
 
 
