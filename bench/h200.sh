@@ -63,12 +63,16 @@ for step in $steps; do
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # sampled MTP rows on the GPU (they emitted the pad token 0 in r16): the sampler alone against the CPU,
-    # then the engine's sampled rows under settings that each remove one suspect (kernels, GEMM fusions,
-    # command buffers); compare with the CPU's outputs in bench/results/engine-sampling-probe_gpu_20261201.txt
-    sampling-probes) JAX_PLATFORMS=cuda,cpu timeout 100 python3 bench/probes/sampling_backends.py \
+    # then the engine's sampled rows by default (scaled logits pinned: the candidate fix), and without the
+    # pin, alone and under settings that each remove one suspect (GDN kernels, GEMM fusions, command
+    # buffers); the CPU's outputs are in bench/results/engine-sampling-probe_gpu_20261201.txt. ~9 minutes.
+    sampling-probes) JAX_PLATFORMS=cuda,cpu timeout 60 python3 bench/probes/sampling_backends.py \
                "$dest/sampling-backends-probe_gpu_$stamp.json" 2>&1 | grep -v Warning | grep -c same
-             for v in "PROBE=default" "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
-               echo "== $v"; env "$v" timeout 150 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
+             for v in "PIN_SCALED_LOGITS=1" "PROBE=unpinned" "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" \
+                      "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+               pin=$([ "$v" = PIN_SCALED_LOGITS=1 ] && echo 1 || echo 0)
+               echo "== $v, PIN_SCALED_LOGITS=$pin"; env PIN_SCALED_LOGITS=$pin "$v" timeout 100 \
+                 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
              done | tee "$dest/engine-sampling-probes_gpu_$stamp.txt" ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \
                --out "$dest/startup_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

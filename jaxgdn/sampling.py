@@ -19,6 +19,14 @@ def position_keys(seeds, request_ids, positions):
     return jax.vmap(one)(seeds, request_ids, positions)
 
 
+# Pin the scaled logits in one buffer that the sort, the thresholds, the mask and log_softmax all read.
+# Candidate fix, not yet run on a GPU, for sampled MTP rows emitting the pad token on the H200 (README,
+# MTP): if XLA recomputes logits / temperature in separate fusions (the sort's and the mask's) and the
+# copies differ, the mask can drop every token; log_softmax of an all -inf row is NaN and its argmax 0.
+# bench/probes/engine_sampling.py sets it False ($PIN_SCALED_LOGITS=0) to compare.
+PIN_SCALED_LOGITS = True
+
+
 def filtered_log_probs(logits, temperature, top_k, top_p):
     """logits [L, V] -> log-probabilities after temperature, top-k and top-p (filtered entries -inf).
 
@@ -28,6 +36,8 @@ def filtered_log_probs(logits, temperature, top_k, top_p):
     V = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits.astype(jnp.float32) / t
+    if PIN_SCALED_LOGITS:
+        scaled = jax.lax.optimization_barrier(scaled)
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)

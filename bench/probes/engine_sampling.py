@@ -1,7 +1,7 @@
 """Probe: the shipped model's engine with sampled requests; prints each request's tokens and the tokens
 fed back to the device, for comparing backends. Usage: python bench/probes/engine_sampling.py K:steps:sync|async ...
 ($GDN_IMPL: EngineConfig.gdn_impl, default auto; $WRITE_KV_KERNEL=1: the KV write kernel on any backend;
-needs tests/ on PYTHONPATH for helpers.shipped_model)."""
+$PIN_SCALED_LOGITS=0: sampling.PIN_SCALED_LOGITS off; needs tests/ on PYTHONPATH for helpers.shipped_model)."""
 
 import os
 import sys
@@ -14,6 +14,10 @@ from jaxgdn.request import SamplingParams
 
 
 def main():
+    if os.environ.get("PIN_SCALED_LOGITS") == "0":  # the sampler as before the candidate fix
+        from jaxgdn import sampling
+
+        sampling.PIN_SCALED_LOGITS = False
     if os.environ.get("WRITE_KV_KERNEL"):  # the GPU's KV write kernel off the GPU too (interpret mode)
         from jaxgdn import paged_forward
 
