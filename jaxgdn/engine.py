@@ -18,7 +18,7 @@ import numpy as np
 
 from .cache import init_engine_state, resolve_num_kv_pages
 from .config import ModelConfig
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, is_gpu_platform
 from .input_batch import build_step
 from .params import ModelParams, fuse_projections
 from .pd import export_handoff, import_handoff
@@ -79,7 +79,7 @@ class LLMEngine:
         self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.num_launches = 0
         # Known GPU bug (README, MTP): sampled rows with drafts may emit the pad token there; warn once.
-        self._warn_sampled_mtp = bool(self.K) and platform in ("gpu", "cuda", "rocm")
+        self._warn_sampled_mtp = bool(self.K) and is_gpu_platform(platform)
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

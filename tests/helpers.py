@@ -96,21 +96,10 @@ def random_ids(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.n
 
 
 def naive_greedy(params, cfg: ModelConfig, prompt: list[int], num_tokens: int, pad_to: int = 256) -> list[int]:
-    """Greedy by full recompute, no cache. Right padding to a fixed length is exact for a causal model
-    and keeps the number of compiled shapes small."""
-    import jax
-
-    from jaxgdn.model import forward
-
-    fwd = _naive_fwd.setdefault(id(cfg), jax.jit(forward, static_argnums=1))
+    """Greedy by full recompute (full_logits), no cache."""
     ids = list(prompt)
     for _ in range(num_tokens):
-        n = len(ids)
-        width = max(pad_to, 1 << (n - 1).bit_length())
-        padded = np.zeros((1, width), np.int32)
-        padded[0, :n] = ids
-        logits = np.asarray(fwd(params, cfg, padded)[0])
-        ids.append(int(logits[0, n - 1].argmax()))
+        ids.append(int(full_logits(params, cfg, ids, pad_to)[-1].argmax()))
     return ids[len(prompt):]
 
 
@@ -118,7 +107,8 @@ _naive_fwd: dict = {}
 
 
 def full_logits(params, cfg: ModelConfig, ids: list[int], pad_to: int = 256) -> np.ndarray:
-    """Logits [len(ids), V] (fp32) of one full forward over ids, no cache (right-padded as naive_greedy)."""
+    """Logits [len(ids), V] (fp32) of one full forward over ids, no cache. Right padding to a fixed length
+    (pad_to, or the next power of two) is exact for a causal model and keeps compiled shapes few."""
     import jax
 
     from jaxgdn.model import forward
@@ -127,7 +117,7 @@ def full_logits(params, cfg: ModelConfig, ids: list[int], pad_to: int = 256) -> 
     n = len(ids)
     padded = np.zeros((1, max(pad_to, 1 << (n - 1).bit_length())), np.int32)
     padded[0, :n] = ids
-    return np.asarray(fwd(params, cfg, padded)[0][0, :n], np.float32)
+    return np.asarray(fwd(params, cfg, padded)[0])[0, :n].astype(np.float32)
 
 
 def outside_sampling_support(params, cfg: ModelConfig, prompt: list[int], output: list[int], sp,

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
             m.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
                            help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back "
-                                "(auto, the engine's default: on without MTP drafts)")
+                                "(auto, the engine's default: on unless PD)")
             m.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
                            help="EngineConfig.decode_steps_per_launch (default: the engine's, 4 on a GPU, 1 "
                                 "elsewhere); ms/step divides the timed calls by the tokens per row they produced")
@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="EngineConfig.decode_steps_per_launch of the modeled rows: decode steps (K=0) or verify "
                          "steps (K>0) per launch (default: the engine's, 4 on a GPU, 1 elsewhere)")
     sp.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
-                    help="EngineConfig.async_scheduling of every row (auto, the engine's default: on "
-                         "without MTP drafts; on: also with them)")
+                    help="EngineConfig.async_scheduling of every row (auto, the engine's default: on; "
+                         "off: synchronous)")
     pd = add("pd", "PD handoff size and cost per request")
     pd.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
