@@ -2,8 +2,9 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes ...]
-#   (default: all but the nine extras, sampling-probes the sampled-MTP pad-token hunt, in this order: spec-sync times MTP with synchronous scheduling,
+#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes|
+#                       sampling-backends ...]
+#   (default: all but the ten extras, sampling-probes and sampling-backends the sampled-MTP pad-token hunt, in this order: spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
@@ -66,14 +67,15 @@ for step in $steps; do
     # then the engine's sampled rows by default (scaled logits pinned: the candidate fix), and without the
     # pin, alone and under settings that each remove one suspect (GDN kernels, GEMM fusions, command
     # buffers); the CPU's outputs are in bench/results/engine-sampling-probe_gpu_20261201.txt. ~9 minutes.
-    sampling-probes) JAX_PLATFORMS=cuda,cpu timeout 60 python3 bench/probes/sampling_backends.py \
-               "$dest/sampling-backends-probe_gpu_$stamp.json" 2>&1 | grep -v Warning | grep -c same
-             for v in "PIN_SCALED_LOGITS=1" "PROBE=unpinned" "GDN_IMPL=chunked" "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" \
-                      "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
-               pin=$([ "$v" = PIN_SCALED_LOGITS=1 ] && echo 1 || echo 0)
-               echo "== $v, PIN_SCALED_LOGITS=$pin"; env PIN_SCALED_LOGITS=$pin "$v" timeout 100 \
-                 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
+    # Most telling first (a cut call keeps them): the default (pinned sampler), the unpinned sampler with the
+    # verify inputs dumped from inside the step (NaN logits or an emptied filter), then the suspects.
+    sampling-probes) for v in "PIN_SCALED_LOGITS=1" "PIN_SCALED_LOGITS=0 DUMP_VERIFY=1" "PIN_SCALED_LOGITS=0 GDN_IMPL=chunked" \
+                      "PIN_SCALED_LOGITS=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" \
+                      "PIN_SCALED_LOGITS=0 XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+               echo "== $v"; env $v timeout 110 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning
              done | tee "$dest/engine-sampling-probes_gpu_$stamp.txt" ;;
+    sampling-backends) JAX_PLATFORMS=cuda,cpu timeout 120 python3 bench/probes/sampling_backends.py \
+               "$dest/sampling-backends-probe_gpu_$stamp.json" 2>&1 | grep -v Warning | grep -vc same ;;
     startup) timeout 400 python3 -m jaxgdn.bench startup --cache-dir /tmp/jaxgdn-startup-cache \
                --out "$dest/startup_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -1,7 +1,8 @@
 """Probe: the shipped model's engine with sampled requests; prints each request's tokens and the tokens
 fed back to the device, for comparing backends. Usage: python bench/probes/engine_sampling.py K:steps:sync|async ...
 ($GDN_IMPL: EngineConfig.gdn_impl, default auto; $WRITE_KV_KERNEL=1: the KV write kernel on any backend;
-$PIN_SCALED_LOGITS=0: sampling.PIN_SCALED_LOGITS off; needs tests/ on PYTHONPATH for helpers.shipped_model)."""
+$PIN_SCALED_LOGITS=0: sampling.PIN_SCALED_LOGITS off; $DUMP_VERIFY=1: print, from inside the step, the
+verify inputs of every sampled row that drew the pad token 0 or saw a NaN logit; needs tests/ on PYTHONPATH for helpers.shipped_model)."""
 
 import os
 import sys
@@ -13,7 +14,48 @@ from jaxgdn.engine_config import EngineConfig
 from jaxgdn.request import SamplingParams
 
 
+def dump_verify():
+    """Wrap the runner's verify_drafts: a host callback prints, for each sampled row whose window drew
+    token 0 or holds a non-finite logit, per window position: NaN count and max of the logits, how many
+    tokens the filter keeps (filtered_log_probs recomputed beside the sampler's), the draft and p(draft)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxgdn import runner
+    from jaxgdn.sampling import filtered_log_probs
+
+    original = runner.verify_drafts
+
+    def report(temperature, n_draft, tokens, num_sampled, drafts, nan, top, kept, p_draft, top5):
+        for r in np.flatnonzero(temperature > 0):
+            used = slice(0, int(n_draft[r]) + 1)
+            drew_pad = (tokens[r, : int(num_sampled[r])] == 0).any()
+            if drew_pad or nan[r, used].any():
+                print(f"    VERIFY row {r}: tokens {tokens[r].tolist()} n_sampled {int(num_sampled[r])} drafts "
+                      f"{drafts[r].tolist()} nan {nan[r, used].tolist()} max {np.round(top[r, used], 3).tolist()} "
+                      f"kept {kept[r, used].tolist()} p_draft {np.round(p_draft[r], 4).tolist()} "
+                      f"top5 {np.round(top5[r, used], 3).tolist()}", flush=True)
+
+    def wrapped(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic=True):
+        tokens, num_sampled = original(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic)
+        if stochastic:
+            R, W, V = logits.shape
+            logp = filtered_log_probs(logits.reshape(R * W, V), jnp.repeat(temperature, W), jnp.repeat(top_k, W),
+                                      jnp.repeat(top_p, W)).reshape(R, W, V)
+            d = jnp.clip(drafts, 0, V - 1)
+            p_draft = jnp.exp(jnp.take_along_axis(logp[:, : W - 1], d[..., None], axis=-1)[..., 0])
+            jax.debug.callback(report, temperature, n_draft, tokens, num_sampled, drafts,
+                               jnp.isnan(logits).sum(-1), jnp.max(logits, -1), jnp.isfinite(logp).sum(-1), p_draft,
+                               jax.lax.top_k(logits, 5)[0])
+        return tokens, num_sampled
+
+    runner.verify_drafts = wrapped
+
+
 def main():
+    if os.environ.get("DUMP_VERIFY") == "1":
+        dump_verify()
     if os.environ.get("PIN_SCALED_LOGITS") == "0":  # the sampler as before the candidate fix
         from jaxgdn import sampling
 
