@@ -4,7 +4,7 @@
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes|
 #                       sampling-backends ...]
-#   (default: all but the ten extras, sampling-probes and sampling-backends the sampled-MTP pad-token hunt, in this order: spec-sync times MTP with synchronous scheduling,
+#   (default: all but the ten extras, sampling-probes and sampling-backends the sampled-MTP pad-token hunt (bug fixed), in this order: spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
@@ -63,13 +63,12 @@ for step in $steps; do
     # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # sampled MTP rows on the GPU (they emitted the pad token 0 in r16): the sampler alone against the CPU,
-    # then the engine's sampled rows by default (scaled logits pinned: the candidate fix), and without the
-    # pin, alone and under settings that each remove one suspect (GDN kernels, GEMM fusions, command
-    # buffers); the CPU's outputs are in bench/results/engine-sampling-probe_gpu_20261201.txt. ~9 minutes.
-    # Most telling first (a cut call keeps them): the default (pinned sampler), the unpinned sampler with the
-    # verify inputs dumped from inside the step (NaN logits or an emptied filter), then the suspects.
-    sampling-probes) for v in "PIN_SCALED_LOGITS=1" "PIN_SCALED_LOGITS=0 DUMP_VERIFY=1" "PIN_SCALED_LOGITS=0 GDN_IMPL=chunked" \
+    # sampled MTP rows on the GPU (they emitted the pad token 0 in r16; cause found in r2: Triton GEMM
+    # fusions, fixed by sampling.PIN_SCALED_LOGITS): the engine's sampled rows by default (pinned), then
+    # unpinned with the verify inputs dumped from inside the step (a host callback: needs the CPU platform),
+    # and unpinned under settings that each remove one suspect (GDN kernels, GEMM fusions, command buffers).
+    # Most telling first, so a cut call keeps them. The CPU's outputs: bench/results/engine-sampling-probe_gpu_20261201.txt.
+    sampling-probes) for v in "PIN_SCALED_LOGITS=1" "PIN_SCALED_LOGITS=0 DUMP_VERIFY=1 JAX_PLATFORMS=cuda,cpu" "PIN_SCALED_LOGITS=0 GDN_IMPL=chunked" \
                       "PIN_SCALED_LOGITS=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" \
                       "PIN_SCALED_LOGITS=0 XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
                echo "== $v"; env $v timeout 110 python3 bench/probes/engine_sampling.py 2:1:sync 2>&1 | grep -v Warning

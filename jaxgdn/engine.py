@@ -10,7 +10,6 @@ import collections
 import dataclasses
 import itertools
 import time
-import warnings
 from typing import Callable, Iterable
 
 import jax
@@ -18,7 +17,7 @@ import numpy as np
 
 from .cache import init_engine_state, resolve_num_kv_pages
 from .config import ModelConfig
-from .engine_config import EngineConfig, is_gpu_platform
+from .engine_config import EngineConfig
 from .input_batch import build_step
 from .params import ModelParams, fuse_projections
 from .pd import export_handoff, import_handoff
@@ -78,8 +77,6 @@ class LLMEngine:
         platform = device.platform if device is not None else jax.default_backend()
         self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.num_launches = 0
-        # Known GPU bug (README, MTP): sampled rows with drafts may emit the pad token there; warn once.
-        self._warn_sampled_mtp = bool(self.K) and is_gpu_platform(platform)
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -97,11 +94,6 @@ class LLMEngine:
             req.finish_reason = "error"
         else:
             self.scheduler.add(req)
-            if self._warn_sampled_mtp and params.temperature > 0:
-                self._warn_sampled_mtp = False
-                warnings.warn("sampled requests (temperature > 0) with MTP drafts on a GPU: a known bug lets them "
-                              "emit invalid tokens (README, MTP speculative decoding); greedy requests are exact. "
-                              "Serve sampled requests with num_speculative_tokens=0 until it is fixed.", stacklevel=2)
         return rid
 
     def validate(self, ids: list[int], params: SamplingParams) -> str | None:

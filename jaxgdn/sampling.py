@@ -20,10 +20,12 @@ def position_keys(seeds, request_ids, positions):
 
 
 # Pin the scaled logits in one buffer that the sort, the thresholds, the mask and log_softmax all read.
-# Candidate fix, not yet run on a GPU, for sampled MTP rows emitting the pad token on the H200 (README,
-# MTP): if XLA recomputes logits / temperature in separate fusions (the sort's and the mask's) and the
-# copies differ, the mask can drop every token; log_softmax of an all -inf row is NaN and its argmax 0.
-# bench/probes/engine_sampling.py sets it False ($PIN_SCALED_LOGITS=0) to compare.
+# Without it, on the H200 XLA's Triton GEMM fusions recompute the logits product inside the sort's and the
+# mask's fusions, the copies differ in the last bits, and a threshold taken from one copy can mask every
+# token of the other: log_softmax of an all -inf row is NaN and its argmax the pad token 0. Sampled MTP
+# rows emitted 0 that way; with the pin (or with --xla_gpu_enable_triton_gemm=false) they match the CPU
+# token for token (bench/results/engine-sampling-probes-r2_gpu_20261201.txt, engine-sampling-pinned_gpu_*).
+# bench/probes/engine_sampling.py sets it False ($PIN_SCALED_LOGITS=0) to reproduce the bug.
 PIN_SCALED_LOGITS = True
 
 

@@ -188,7 +188,9 @@ def test_sampled_mtp_tokens_on_gpu_lie_in_the_sampling_support(steps, scheduling
     the top_k / top_p support of the reference distribution at its position, however the noise fell.
     (2026-12-01 r16: on the H200 sampled verify rows emitted the never-trained pad token 0 at one
     synchronous verify step per launch and at the default, while the same engine on the CPU, its Pallas
-    kernels interpreted, did not: bench/results/engine-sampling-probe_gpu_20261201.txt.)"""
+    kernels interpreted, did not: bench/results/engine-sampling-probe_gpu_20261201.txt. Cause: Triton GEMM
+    fusions recomputed the logits for the sort and the mask with different bits; fixed by
+    sampling.PIN_SCALED_LOGITS, after which this test passed there: engine-sampling-pinned_gpu_20261201.txt.)"""
     params, cfg, prompts = shipped_model()
     sps = [SamplingParams(temperature=0.9, top_p=0.8, seed=3 + i, max_tokens=25) for i in range(3)] + [
         SamplingParams(temperature=1.1, top_k=5, seed=7 + i, max_tokens=25) for i in range(3)]

@@ -105,7 +105,8 @@ def jax_keys(R, K):
 
 
 # Outputs of shipped-model prompts 2 and 3 under MTP K=2, one synchronous verify step per launch
-# (bench/probes/engine_sampling.py): on the H200 and on the CPU with the same engine and kernels interpreted.
+# (bench/probes/engine_sampling.py): on the H200 before the fix (sampling.PIN_SCALED_LOGITS off) and on the
+# CPU with the same engine and kernels interpreted (the fixed H200 run gives the CPU's tokens).
 TOP_P_ROW = SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25)
 TOP_K_ROW = SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)
 ON_H200 = ([3, 49, 77, 69, 3, 0, 89, 93, 0, 23, 16, 3, 87, 0, 33, 21, 22, 18, 4, 45, 88, 3, 88, 86, 77],
@@ -126,21 +127,29 @@ def test_support_check_flags_the_pad_tokens_sampled_on_the_gpu_and_passes_the_cp
 
 
 
-def test_sampled_request_with_mtp_on_a_gpu_warns_once_about_the_known_bug():
-    """The engine arms the warning on a GPU with MTP drafts (here armed by hand on the CPU): the first
-    sampled request warns, greedy ones and later sampled ones do not."""
-    import warnings
+def test_sampler_and_verifier_read_the_scaled_logits_from_one_pinned_buffer(monkeypatch):
+    """The fix of the H200 pad-token bug (sampling.PIN_SCALED_LOGITS): the programs that sample and
+    verify hold an optimization barrier on the scaled logits, so XLA cannot recompute them inside the
+    sort's and the mask's fusions with bits that disagree. Unpinned, the barrier is gone (the check can fail)."""
+    from jaxgdn import sampling
+    from jaxgdn.spec_decode import verify_drafts
 
-    from jaxgdn.engine import LLMEngine
+    R, W, V = 2, 3, 16
+    logits = jnp.zeros((R, W, V))
+    params = (jnp.ones(R), jnp.zeros(R, jnp.int32), jnp.ones(R))
+    keys = jax_keys(R, W - 1)
 
-    eng = LLMEngine(init_random_params(CFG, seed=0), CFG, EngineConfig(max_num_seqs=2, max_model_len=64,
-                                                                       num_speculative_tokens=1))
-    assert not eng._warn_sampled_mtp  # not on the CPU
-    eng._warn_sampled_mtp = True
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eng.add_request([1, 2, 3], SamplingParams(temperature=0))
-        eng.add_request([1, 2, 3], SamplingParams(temperature=0.8))
-        eng.add_request([1, 2, 3], SamplingParams(temperature=0.8))
-    assert [str(w.message).split(":")[0] for w in caught] == [
-        "sampled requests (temperature > 0) with MTP drafts on a GPU"]
+    def programs():
+        sample = jax.jit(sample_tokens).lower(logits[:, 0], *params, keys[:, 0]).as_text()
+        verify = jax.jit(verify_drafts, static_argnums=7).lower(
+            logits, jnp.zeros((R, W - 1), jnp.int32), jnp.full(R, W - 1), *params, keys, True).as_text()
+        return sample, verify
+
+    assert all("optimization_barrier" in text for text in programs())
+    monkeypatch.setattr(sampling, "PIN_SCALED_LOGITS", False)
+    jax.clear_caches()  # jit's trace cache is keyed by the function, not by the module flag
+    try:
+        assert not any("optimization_barrier" in text for text in programs())
+    finally:  # no unpinned trace left for later tests in this process
+        monkeypatch.undo()
+        jax.clear_caches()
