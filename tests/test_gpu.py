@@ -144,7 +144,8 @@ def test_whole_prompt_attention_compiled_equals_reference(dtype, D):
 
 def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     """The GPU default runs 4 decode steps per launch (pool kernel, command buffers with a loop): greedy
-    outputs equal plain greedy decoding, sampled ones those of one step per launch."""
+    outputs equal plain greedy decoding, sampled ones those of one step per launch and lie in their
+    sampling support (an absolute check: both launch forms could share a wrong token)."""
     from jaxgdn.engine import LLMEngine
 
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
@@ -166,6 +167,8 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     assert outs[None] == outs[1]
     for p, sp, got in zip(prompts[:2], sps[:2], outs[None][:2]):
         assert got == naive_greedy(params, cfg, p, sp.max_tokens)
+    for p, sp, got in zip(prompts[2:], sps[2:], outs[None][2:]):
+        assert outside_sampling_support(params, cfg, p, got, sp) == []
 
 
 def serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling):
@@ -205,7 +208,8 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     """With MTP the GPU default runs 4 verify steps per launch (the pool kernel reads the checkpoint the
     launch's previous step committed) under async scheduling (each launch booked as if every draft were
     accepted, the next one rebased on the device's count): on the shipped model, which accepts most drafts,
-    outputs and acceptance equal one synchronous step per launch, and greedy ones plain greedy decoding."""
+    outputs and acceptance equal one synchronous step per launch, greedy ones plain greedy decoding, and
+    sampled ones lie in their sampling support (r16: both forms held the same wrong pad tokens)."""
     params, cfg, prompts = shipped_model()
     prompts = prompts[:4]
     sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),
@@ -221,6 +225,8 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     assert outs[1][1]["acceptance_rate"] > 0.5
     for p, sp, got in zip(prompts[:2], sps[:2], outs[None][0][:2]):  # (a request may stop on its eos)
         assert got and got == naive_greedy(params, cfg, p, sp.max_tokens)[: len(got)]
+    for p, sp, got in zip(prompts[2:], sps[2:], outs[None][0][2:]):
+        assert outside_sampling_support(params, cfg, p, got, sp) == []
 
 
 @pytest.mark.parametrize("T, K", [(1, 0), (4, 3)])
