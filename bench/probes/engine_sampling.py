@@ -2,7 +2,8 @@
 fed back to the device, for comparing backends. Usage: python bench/probes/engine_sampling.py K:steps:sync|async ...
 ($GDN_IMPL: EngineConfig.gdn_impl, default auto; $WRITE_KV_KERNEL=1: the KV write kernel on any backend;
 $PIN_SCALED_LOGITS=0: sampling.PIN_SCALED_LOGITS off; $DUMP_VERIFY=1: print, from inside the step, the
-verify inputs of every sampled row that drew the pad token 0 or saw a NaN logit; needs tests/ on PYTHONPATH for helpers.shipped_model)."""
+verify inputs of every sampled row that drew the pad token 0 or saw a NaN logit (a host callback: on a
+GPU set JAX_PLATFORMS=cuda,cpu); needs tests/ on PYTHONPATH for helpers.shipped_model)."""
 
 import os
 import sys
