@@ -27,9 +27,14 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
         assert r["ours_ms"] > 0 and r["ours_vs_xla_rel_err"] < 1e-2  # bf16 operands vs the fp32 XLA forms
         assert r["ours_device_us"] > 0  # the profiled call's busy time (host events on a CPU)
         assert "fla_device_us" not in r  # no fla on a CPU: no peer figure made up
-    from jaxgdn.bench.tables import kernels_table
+    from jaxgdn.bench.tables import floor_bytes_ratio, kernels_table
 
     assert "ours kernels µs" in kernels_table(d)[0]
+    # only the verify window's checkpoints (T=3 fp32 states per row and head) part our byte floor from fla's:
+    # bytes of q/k/v (bf16), g/beta, o (fp32) and the state in and out, plus B*T*H*d*d*4
+    prefill, decode, verify = (floor_bytes_ratio(r) for r in d["rows"])
+    assert prefill == decode == 1.0 and verify == pytest.approx(1 + 3 * 2 * 2 * 16 * 16 * 4 / (
+        2 * 3 * 2 * (16 * 2 * 3 + 8 + 16 * 4) + 2 * 2 * 2 * 16 * 16 * 4))
 
 
 @pytest.mark.parametrize("command, extra", [
