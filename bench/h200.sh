@@ -4,7 +4,8 @@
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes|
 #                       sampling-backends ...]
-#   (default: all but the ten extras, sampling-probes and sampling-backends the sampled-MTP pad-token hunt (bug fixed), in this order: spec-sync times MTP with synchronous scheduling,
+#   (default: all but the ten extras, in this order; sampling-probes and sampling-backends the sampled-MTP
+#   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged

@@ -126,7 +126,6 @@ def test_support_check_flags_the_pad_tokens_sampled_on_the_gpu_and_passes_the_cp
         assert outside_sampling_support(params, cfg, prompt, cpu, sp) == []
 
 
-
 def test_sampler_and_verifier_read_the_scaled_logits_from_one_pinned_buffer(monkeypatch):
     """The fix of the H200 pad-token bug (sampling.PIN_SCALED_LOGITS): the programs that sample and
     verify hold an optimization barrier on the scaled logits, so XLA cannot recompute them inside the
