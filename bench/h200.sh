@@ -2,12 +2,12 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|scan-segments|sampling-probes|
+#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes|
 #                       sampling-backends ...]
-#   (default: all but the eleven extras, in this order; sampling-probes and sampling-backends the sampled-MTP
+#   (default: all but the ten extras, in this order; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
-#   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, scan-segments the segmented scan's settings, decode-1step times one decode step per launch,
+#   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
 #   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
 #   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
@@ -62,10 +62,6 @@ for step in $steps; do
              PROBE_XLA_ONLY=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 100 python3 bench/probes/cold_products.py \
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
-    # the segmented chunk-state scan (segments x dv tile) at the kernel table's prefill shapes, and its GPU test
-    scan-segments) timeout 300 python3 bench/probes/gdn_scan_segments.py "$dest/gdn-scan-segments-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
-             timeout 150 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k segmented \
-               > "$dest/gpu-tests-segments_$stamp.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-segments_$stamp.txt" ;;
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # sampled MTP rows on the GPU (they emitted the pad token 0 in r16; cause found in r2: Triton GEMM

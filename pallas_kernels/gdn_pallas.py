@@ -77,28 +77,6 @@ def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
     return bv
 
 
-
-SEGMENT_MIN_CHUNKS = 8  # chunks per segment of the segmented scan, at least
-
-
-def _scan_tiling(dvp: int, rows_heads: int, N: int, block_v: int | None, segments: int | None,
-                 target_programs: int = 256) -> tuple[int, int]:
-    """(dv tile, segments per row) of the chunk-state scan over N chunks of B * Hv = rows_heads walks.
-
-    A grid of few walks (one long prompt) is latency-bound: each program walks N chunks in sequence. Cut
-    into G segments the walks run side by side (one pass more: `_transfer_kernel`), on 64-wide dv tiles;
-    otherwise the dv tile shrinks to 16 for programs (`_value_block`)."""
-    block_v = block_v and min(block_v, dvp)
-    if segments is None:
-        bv = block_v or min(dvp, 64)
-        segments = 1
-        while rows_heads * (dvp // bv) * segments < target_programs and N >= 2 * segments * SEGMENT_MIN_CHUNKS:
-            segments *= 2
-        if segments > 1:
-            return bv, segments
-    return block_v or _value_block(dvp, rows_heads), max(1, min(segments, N))
-
-
 # ----------------------------------------------------------------------------- recurrent (decode / verify)
 
 
@@ -277,60 +255,27 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
         kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
 
 
-def _chunk_loads(w_ref, u_ref, kd_ref, gam_ref, b, h, n, u_cols):
-    """Chunk n of one (row, value head): W, U's columns u_cols, Kd, and the chunk's total log decay."""
-    rows = pl.ds(n * CHUNK, CHUNK)
-    return w_ref[b, rows, h, :], u_ref[b, rows, h, u_cols], kd_ref[b, rows, h, :], gam_ref[b, n * CHUNK + CHUNK - 1, h]
-
-
-def _transfer_kernel(w_ref, u_ref, kd_ref, gam_ref, seg_ref, *, L, N, BA, dtype):
-    """One (row, value head, segment, column block) of the segmented scan's first pass.
-
-    The chunk update is affine in the state, S <- M_n S + Kd_nᵀU_n with M_n = e^{γ_last} I - Kd_nᵀW_n, so
-    segment s (chunks sL .. sL+L-1) maps the state it enters with, S, to P_s S + C_s (P_s = Π M_n). Both
-    come from one walk of the segment with the augmented state [C | P] [dk, dv + dk], started at [0 | I]:
-    the value columns see U, the identity columns see none. seg [B, G-1, Hv, dk, dv + dk] fp32."""
-    b, h, s, ia = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    dv = u_ref.shape[3]
-    col0 = ia * BA  # first column of the block in [C | P]
-    value_block = col0 < dv
-    u_cols = pl.ds(jnp.minimum(col0, dv - BA), BA)  # any in-range block; zeroed below for P's columns
-    eye = lax.broadcasted_iota(jnp.int32, (w_ref.shape[3], BA), 0) == lax.broadcasted_iota(jnp.int32, (w_ref.shape[3], BA), 1) + (col0 - dv)
-    S = jnp.where(value_block, 0.0, eye.astype(f32))
-
-    def chunk(i, S):
-        n = s * L + i
-        w, u, kd, g_last = _chunk_loads(w_ref, u_ref, kd_ref, gam_ref, b, h, jnp.minimum(n, N - 1), u_cols)
-        v_new = jnp.where(value_block, u.astype(f32), 0.0) - _dot(w, S, dtype)
-        return jnp.where(n < N, S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype), S)
-
-    seg_ref[b, s, h, :, pl.ds(col0, BA)] = lax.fori_loop(0, L, chunk, S)
-
-
-def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, *refs, N, L, BV, dtype, prefetch):
-    """One (row, value head, segment, dv block): the segment's chunks in order with the state [dk, BV] in
-    registers. The only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's
-    entering state and V' for the parallel output kernel.
-
-    Segments (L chunks each; one segment when L = N) run in parallel: segment s first composes the state it
-    enters with from the row's initial state and the transfers (P, C) of segments < s (`_transfer_kernel`;
-    refs then start with seg), column block by column block as the update is.
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch):
+    """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
+    only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
+    state and V' for the parallel output kernel.
 
     prefetch: chunk n+1's W, U, Kd and decay are loaded while chunk n computes (carried through the
     loop), so the loads leave the serial chain. It pays when a program has its SM to itself, and costs
     occupancy when two share one: 0.8B, one row of 8192 tokens (dv tile 16, 128 programs) 191 µs against
     228; eight rows of 1024 (dv tile 64, 256 programs) 90 against 65
     (bench/results/gdn-prep-probe-2_gpu_20261201.json)."""
-    seg_ref = refs[0] if L < N else None
-    h_ref, vn_ref, sT_ref = refs[-3:]
-    b, h, s, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(iv * BV, BV)
-    first, end = s * L, jnp.minimum(s * L + L, N)
-    load = lambda n: _chunk_loads(w_ref, u_ref, kd_ref, gam_ref, b, h, n, cols)  # noqa: E731
+
+    def load(n):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        return (w_ref[b, rows, h, :], u_ref[b, rows, h, cols], kd_ref[b, rows, h, :],
+                gam_ref[b, n * CHUNK + CHUNK - 1, h])
 
     def chunk(n, carry):
         S, loaded = carry
-        ahead = load(jnp.minimum(n + 1, end - 1)) if prefetch else None
+        ahead = load(jnp.minimum(n + 1, N - 1)) if prefetch else None
         w, u, kd, g_last = loaded if prefetch else load(n)
         rows = pl.ds(n * CHUNK, CHUNK)
         h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
@@ -338,22 +283,8 @@ def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, *refs, N, L, BV, dtype, 
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
         return S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype), ahead
 
-    S = s0_ref[b, h, :, cols].astype(f32)
-    if seg_ref is not None:
-        dv = seg_ref.shape[4] - seg_ref.shape[3]
-        # TF32 operands (IEEE for fp32 runs), not the bf16 of W S: P S is the state itself, not a correction.
-        precision = lax.Precision.HIGHEST if dtype == f32 else lax.Precision.HIGH
-
-        def enter(j, S):
-            P = seg_ref[b, j, h, :, pl.ds(dv, seg_ref.shape[3])]
-            return jnp.dot(P, S, preferred_element_type=f32, precision=precision) + seg_ref[b, j, h, :, cols]
-
-        S = lax.fori_loop(0, s, enter, S)
-    S = lax.fori_loop(first, end, chunk, (S, load(first) if prefetch else None))[0]
-
-    @pl.when(s == pl.num_programs(2) - 1)
-    def _():
-        sT_ref[b, h, :, cols] = S
+    S0 = s0_ref[b, h, :, cols].astype(f32)
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -399,8 +330,7 @@ class OutputGate(NamedTuple):
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       segments: int | None = None):
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
@@ -408,9 +338,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)` without the fp32 o's round trip
     through memory (bench/probes/gdn_output_norm.py measures it).
 
-    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py, gdn_scan_segments.py): block_v, block_v_out the
-    dv tiles of the scan and output kernels; segments the pieces each row's chunk walk is cut into (None:
-    `_scan_tiling` picks); warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
+    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
+    and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
     165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
     (bench/results/gdn-prep-probe_gpu_20261201.json)."""
     prep_warps, scan_warps, out_warps = warps
@@ -435,23 +364,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
                    sds((B, Tp, Hv), f32)),
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, g, beta)
-    BV, G = _scan_tiling(dvp, B * Hv, N, block_v, segments)
-    L = -(-N // G)  # chunks per segment
-    G = -(-N // L)
-    seg = ()
-    if G > 1:  # each segment's transfer (P, C), for the later segments to start from
-        BA = min(64, dkp, dvp)
-        seg = (pl.pallas_call(
-            functools.partial(_transfer_kernel, L=L, N=N, BA=BA, dtype=dtype),
-            out_shape=sds((B, G - 1, Hv, dkp, dvp + dkp), f32),
-            grid=(B, Hv, G - 1, (dvp + dkp) // BA), interpret=interpret, compiler_params=triton_params(scan_warps),
-        )(w, u, kd, gam),)
-    scan_programs = B * Hv * G * (dvp // BV)
+    BV = block_v or _value_block(dvp, B * Hv)
+    scan_programs = B * Hv * (dvp // BV)
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, L=L, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, G, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
-    )(w, u, kd, gam, s0, *seg)
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
+    )(w, u, kd, gam, s0)
     # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
     # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
     # (bench/results/gdn-chunk-configs-probe_gpu_20261201.json).

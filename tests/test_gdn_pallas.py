@@ -65,31 +65,6 @@ def test_chunked_kernel_scan_with_and_without_prefetch_equals_scan(monkeypatch):
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5, limit
 
 
-@pytest.mark.parametrize("segments", [2, 3, 4, 100])
-def test_segmented_scan_equals_scan(segments):
-    """The chunk walk cut into segments (3: the last one shorter; 100: capped at one chunk each). Weak decay,
-    so each row's initial state and every earlier segment still shape the later outputs and the final state."""
-    q, k, v, g, beta, s0 = random_inputs(B=2, T=330, Hk=1, Hv=2, dk=32, dv=32, seed=5, decay=(0.0, 0.02))
-    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
-    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, segments=segments)
-    assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
-    # The row's initial state still moves the final state 100x the tolerance: it reaches the last segment only
-    # through the composition.
-    assert max_err(gdn_chunked_pallas(q, k, v, g, beta, s0 * 0)[1], s_ref) > 1e-3
-
-
-def test_scan_tiling_segments_only_few_long_walks():
-    """One 8192-token row of 16 heads: 64-wide dv tiles in 8 segments (256 programs); 8 rows of 1024 (256
-    walks already) and short rows keep the one-walk scan; explicit settings win."""
-    from pallas_kernels.gdn_pallas import _scan_tiling
-
-    assert _scan_tiling(128, 16, 128, None, None) == (64, 8)
-    assert _scan_tiling(128, 128, 16, None, None) == (64, 1)
-    assert _scan_tiling(128, 16, 8, None, None) == (16, 1)  # 512 tokens: too few chunks to cut
-    assert _scan_tiling(128, 16, 128, 32, 4) == (32, 4)
-    assert _scan_tiling(32, 2, 4, 64, 100) == (32, 4)
-
-
 @pytest.mark.parametrize("dtype, dv", [(jnp.float32, 32), (jnp.bfloat16, 24)])
 def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, dv):
     """gate=(z, weight, eps): the output kernel's gated RMS norm against norms.gated_rms_norm of the plain
@@ -184,7 +159,7 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "chunked-segmented", "chunked-gated", "recurrent", "pooled"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
@@ -192,8 +167,6 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
     if kernel == "chunked":
         fn = lambda *a: gdn_chunked_pallas(*a, interpret=False)  # noqa: E731
-    elif kernel == "chunked-segmented":  # the transfer kernel and the scan's segment start
-        fn = lambda *a: gdn_chunked_pallas(*a, interpret=False, segments=2)  # noqa: E731
     elif kernel == "chunked-gated":
         z = jnp.ones((1, 70, 4, 128), jnp.bfloat16)
         fn = lambda *a: gdn_chunked_pallas(*a, interpret=False, gate=(z, jnp.ones(128), 1e-6))  # noqa: E731

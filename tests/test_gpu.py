@@ -85,30 +85,6 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
 
-@pytest.mark.parametrize("dtype, segments", [("float32", 3), ("float32", None), ("bfloat16", None)])
-def test_segmented_scan_compiled_equals_reference(dtype, segments):
-    """The segmented chunk-state scan (transfer kernel, TF32 composition for bf16) compiled, one row of 2048
-    tokens, 16 heads of 128 (the default rule cuts it in 8), weak decay so the segments' states carry."""
-    import jax.numpy as jnp
-
-    from pallas_kernels.gdn import gdn_recurrent_reference
-    from pallas_kernels.gdn_pallas import gdn_chunked_pallas
-    from test_gdn_core import random_inputs
-
-    q, k, v, g, beta, s0 = random_inputs(B=1, T=2048, Hk=16, Hv=16, dk=128, dv=128, seed=11, decay=(0.0, 0.01))
-    with jax.default_matmul_precision("highest"):
-        o_ref, s_ref = jax.jit(gdn_recurrent_reference)(q, k, v, g, beta, s0)
-    err = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
-    cast = lambda x: x.astype(getattr(jnp, dtype))  # noqa: E731
-    run = jax.jit(lambda *a, sg: gdn_chunked_pallas(*a, segments=sg), static_argnames="sg")
-    o, s = run(cast(q), cast(k), cast(v), g, beta, s0, sg=segments)
-    o1, s1 = run(cast(q), cast(k), cast(v), g, beta, s0, sg=1)
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    assert err(o, o_ref) <= tol and err(s, s_ref) <= tol
-    # No worse than the one-walk scan's rounding, beyond noise.
-    assert err(o, o_ref) <= 1.5 * err(o1, o_ref) + 1e-6 and err(s, s_ref) <= 1.5 * err(s1, s_ref) + 1e-6
-
-
 @pytest.mark.parametrize("dtype, D, Q", [("float32", 32, 20), ("bfloat16", 256, 1), ("bfloat16", 256, 40)])
 def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
     import jax.numpy as jnp
