@@ -2,14 +2,15 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|sampling-probes|
+#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends ...]
-#   (default: all but the ten extras, in this order; sampling-probes and sampling-backends the sampled-MTP
+#   (default: all but the eleven extras, in this order; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
-#   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, decode-1step times one decode step per launch,
-#   decode-sync the synchronous engine beside the default async scheduling, prefill-pallas the opt-in paged
-#   flash-attention kernel, spec-shipped only the shipped model's spec rows; `python -m jaxgdn.bench table
+#   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
+#   probe, decode-1step times one decode step per launch, decode-sync the synchronous engine beside the
+#   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
+#   shipped model's spec rows; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -26,9 +27,8 @@ for step in $steps; do
     # The GPU suite in two halves, one device call each (r11: the engine tests and the first two kernel tests
     # took the whole 420 s the suite once had; the 16 kernel tests took ~270 s); -v so a cut run still
     # names what passed. The two-device test runs apart (skipped on one GPU) with a stack dump if it stalls.
-    # (r13 added the 4-verify-steps test, ~190 s alone, to the engine half: it may now need its own call.)
-    # (2026-12-02: the 4-verify-steps test, last in the engine half, was cut there while compiling; it has its
-    # own step now, tests-verify, ~70 s on a warm machine with the compilation cache filled, minutes cold.)
+    # The 4-verify-steps test (r13) has its own step, tests-verify: in the engine half it was cut while
+    # compiling (2026-12-02); alone it took 67 s on a warm machine with the compilation cache filled.
     tests-engine) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or decode_launches" \
                -o faulthandler_timeout=150 > "$dest/gpu-tests-engine_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$dest/gpu-tests-engine_$stamp.txt" ;;
@@ -67,6 +67,8 @@ for step in $steps; do
              PROBE_XLA_ONLY=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 100 python3 bench/probes/cold_products.py \
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
+    # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
+    mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # sampled MTP rows on the GPU (they emitted the pad token 0 in r16; cause found in r2: Triton GEMM

@@ -11,8 +11,10 @@ bench/results/mosaic-gpu-probe_gpu_20261202.json.
 """
 
 import importlib
+import inspect
 import json
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -76,15 +78,13 @@ def main(out_path=None):
         except Exception as e:  # noqa: BLE001
             registration = repr(e)[:500]
         print("mosaic_gpu pallas_call_registration:", registration, flush=True)
-        import inspect
-
-        print("plgpu.kernel", inspect.signature(plgpu.kernel), flush=True)
+        print("plgpu.kernel", inspect.signature(plgpu.kernel), flush=True)  # its keywords move between versions
 
         forms["pallas_triton_8x1024_w8"] = lambda: jax.jit(
             lambda a: pallas_affine(a, plt.CompilerParams(num_warps=8), block_rows=8, block_cols=1024))
         forms["pallas_triton_16x1024_w4"] = lambda: jax.jit(
             lambda a: pallas_affine(a, plt.CompilerParams(num_warps=4), block_rows=16, block_cols=1024))
-        # Blocks sized for shared memory: input and output blocks, double-buffered, within 228 KB.
+        # pl.pallas_call under Mosaic GPU's params at a few block shapes (on jax 0.11.2 none lowers: no rule)
         for br, bc in ((32, 256), (16, 512), (64, 128), (64, 512)):
             forms[f"pallas_mosaic_gpu_{br}x{bc}"] = lambda br=br, bc=bc: jax.jit(
                 lambda a: pallas_affine(a, plgpu.CompilerParams(), block_rows=br, block_cols=bc))
@@ -106,8 +106,6 @@ def main(out_path=None):
 
         row = probe_row({"form": name}, measure)
         if "failed" in row:
-            import traceback
-
             try:
                 make()(x)
             except Exception:  # noqa: BLE001
