@@ -12,11 +12,6 @@ import jax.numpy as jnp
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
 
 
-def is_gpu_platform(platform: str) -> bool:
-    """Whether a JAX device platform ("gpu", "cuda", "rocm", "cpu", ...) is a GPU."""
-    return platform in ("gpu", "cuda", "rocm")
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches, caches and compiles.
@@ -130,7 +125,7 @@ class EngineConfig:
         if self.pd or not (self.uses_async_scheduling or self.num_speculative_tokens):
             return 1
         if self.decode_steps_per_launch is None:
-            return 4 if is_gpu_platform(platform) else 1
+            return 4 if platform in ("gpu", "cuda", "rocm") else 1
         return self.decode_steps_per_launch
 
     def replace(self, **changes) -> "EngineConfig":
