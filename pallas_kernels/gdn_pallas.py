@@ -47,9 +47,11 @@ def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _dot(a, b, dtype):
-    """a @ b with operands cast to dtype, fp32 accumulation; HIGHEST keeps fp32 operands off TF32."""
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=f32, precision=lax.Precision.HIGHEST)
+def _dot(a, b, dtype, tf32: bool = False):
+    """a @ b with operands cast to dtype, fp32 accumulation; HIGHEST keeps fp32 operands off TF32 unless
+    tf32 (Pallas' Triton lowering maps DEFAULT to TF32; interpret mode computes fp32 either way)."""
+    precision = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=f32, precision=precision)
 
 
 def _pad_heads(q, k, v, initial_state):
@@ -191,21 +193,45 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
 # ----------------------------------------------------------------------------- chunked (prefill)
 
 
-def _unit_lower_inverse(a):
+def _unit_lower_inverse(a, rolled: bool = False):
     """(I + a)⁻¹ for a strictly lower [n, n] fp32 tile, by forward substitution one row at a time:
-    row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series."""
+    row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series.
+    rolled: the rows as a loop (as fla's kernel runs them) instead of unrolled."""
     n = a.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def step(i, inv):
+        a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)  # row i of a, [n]
+        row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
+        return jnp.where(r == i, row[None, :], inv)
+
+    inv = (r == c).astype(f32)
+    if rolled:
+        return lax.fori_loop(1, n, step, inv)
+    for i in range(1, n):
+        inv = step(i, inv)
+    return inv
+
+
+def _unit_lower_inverse_t(at):
+    """(I + a)⁻¹ from aᵀ (a strictly lower [n, n] fp32 tile): the same forward substitution, with row i of a
+    read as column i of aᵀ. That reduction runs along axis 1, so its result already lies along the axis the
+    next reduction broadcasts it on: in Triton no layout conversion (a shared-memory round trip and
+    barrier) per row, which reading a row of a costs."""
+    n = at.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     inv = (r == c).astype(f32)
     for i in range(1, n):
-        a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)  # row i of a, [n]
+        a_i = jnp.sum(jnp.where(c == i, at, 0.0), axis=1)  # a[i, m] along m: [n]
         row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
         inv = jnp.where(r == i, row[None, :], inv)
     return inv
 
 
-def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype, transposed_solve=False,
+                 rolled_solve=False, tf32_merge=False):
     """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk.
 
     Keys and values stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the
@@ -237,14 +263,22 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
         scale = (betas[i] * inv_norm[i])[:, None] * inv_norm[j][None, :]
         return _dot(ks[i], ks[j].T, dtype) * scale * jnp.exp(diff)
 
-    A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i + 1)}
+    def a_diagonal_t(i):  # A_iiᵀ: K_i K_iᵀ is symmetric, so only the scales and the decay swap sides
+        diff = jnp.where(ri < ci, gam[i][None, :] - gam[i][:, None], -jnp.inf)
+        scale = inv_norm[i][:, None] * (betas[i] * inv_norm[i])[None, :]
+        return _dot(ks[i], ks[i].T, dtype) * scale * jnp.exp(diff)
+
+    A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i)}
     inv = {}
     for i in range(nsub):
-        inv[i, i] = _unit_lower_inverse(A[i, i])
+        if transposed_solve:
+            inv[i, i] = _unit_lower_inverse_t(a_diagonal_t(i))
+        else:
+            inv[i, i] = _unit_lower_inverse(a_block(i, i), rolled=rolled_solve)
         for j in range(i - 1, -1, -1):
             # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
-            acc = sum(_dot(A[i, m], inv[m, j], f32) for m in range(j, i))
-            inv[i, j] = -_dot(inv[i, i], acc, f32)
+            acc = sum(_dot(A[i, m], inv[m, j], f32, tf32_merge) for m in range(j, i))
+            inv[i, j] = -_dot(inv[i, i], acc, f32, tf32_merge)
     w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
         u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
@@ -255,7 +289,7 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
         kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
 
 
-def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch):
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch, split_k=False):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
     state and V' for the parallel output kernel.
@@ -264,27 +298,34 @@ def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *
     loop), so the loads leave the serial chain. It pays when a program has its SM to itself, and costs
     occupancy when two share one: 0.8B, one row of 8192 tokens (dv tile 16, 128 programs) 191 µs against
     228; eight rows of 1024 (dv tile 64, 256 programs) 90 against 65
-    (bench/results/gdn-prep-probe-2_gpu_20261201.json)."""
+    (bench/results/gdn-prep-probe-2_gpu_20261201.json).
+    split_k: the state as two [dk/2, BV] halves (as fla's kernel holds it), W and Kd loaded per half."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(iv * BV, BV)
+    dk = w_ref.shape[-1]
+    halves = [pl.ds(0, dk // 2), pl.ds(dk // 2, dk // 2)] if split_k else [pl.ds(0, dk)]
 
     def load(n):
         rows = pl.ds(n * CHUNK, CHUNK)
-        return (w_ref[b, rows, h, :], u_ref[b, rows, h, cols], kd_ref[b, rows, h, :],
-                gam_ref[b, n * CHUNK + CHUNK - 1, h])
+        return (tuple(w_ref[b, rows, h, x] for x in halves), u_ref[b, rows, h, cols],
+                tuple(kd_ref[b, rows, h, x] for x in halves), gam_ref[b, n * CHUNK + CHUNK - 1, h])
 
     def chunk(n, carry):
         S, loaded = carry
         ahead = load(jnp.minimum(n + 1, N - 1)) if prefetch else None
         w, u, kd, g_last = loaded if prefetch else load(n)
         rows = pl.ds(n * CHUNK, CHUNK)
-        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
-        v_new = u.astype(f32) - _dot(w, S, dtype)  # [C, BV]
+        for s, x in zip(S, halves):
+            h_ref[b, n, h, x, cols] = s.astype(h_ref.dtype)
+        v_new = u.astype(f32) - sum(_dot(wx, s, dtype) for wx, s in zip(w, S))  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        return S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype), ahead
+        decay = jnp.exp(g_last)
+        return tuple(s * decay + _dot(kx.T, v_new, dtype) for s, kx in zip(S, kd)), ahead
 
-    S0 = s0_ref[b, h, :, cols].astype(f32)
-    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
+    S0 = tuple(s0_ref[b, h, x, cols].astype(f32) for x in halves)
+    ST = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
+    for s, x in zip(ST, halves):
+        sT_ref[b, h, x, cols] = s
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -330,7 +371,8 @@ class OutputGate(NamedTuple):
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None):
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
+                       scan_stages: int = 2):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
@@ -339,7 +381,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     through memory (bench/probes/gdn_output_norm.py measures it).
 
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
-    and output kernels; warps per (prep, scan, output) kernel. The prep kernel runs fastest on 2 warps:
+    and output kernels; warps per (prep, scan, output) kernel; scan_stages Triton's pipelining depth of the
+    scan's chunk loop. The prep kernel runs fastest on 2 warps:
     165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
     (bench/results/gdn-prep-probe_gpu_20261201.json)."""
     prep_warps, scan_warps, out_warps = warps
@@ -369,7 +412,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     h_enter, v_new, sT = pl.pallas_call(
         functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=2),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
     )(w, u, kd, gam, s0)
     # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
     # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
