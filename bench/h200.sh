@@ -2,7 +2,7 @@
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
-#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|solve-scan|mosaic|sampling-probes|
+#                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends ...]
 #   (default: all but the eleven extras, in this order; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
@@ -68,8 +68,6 @@ for step in $steps; do
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
     # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
-    # the prep solve and scan in fla's forms, beside fla's kernels one by one (bench/probes/gdn_solve_scan.py)
-    solve-scan) timeout 500 python3 bench/probes/gdn_solve_scan.py "$dest/gdn-solve-scan-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

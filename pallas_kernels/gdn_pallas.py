@@ -39,7 +39,7 @@ from .common import interpret_default, triton_params
 
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
-PREFETCH_MAX_PROGRAMS = 128  # the scan prefetches its next chunk up to this many programs (one per SM or fewer)
+DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up to this many programs (one per SM or fewer)
 f32 = jnp.float32
 
 
@@ -193,45 +193,24 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
 # ----------------------------------------------------------------------------- chunked (prefill)
 
 
-def _unit_lower_inverse(a, rolled: bool = False):
+def _unit_lower_inverse(a):
     """(I + a)⁻¹ for a strictly lower [n, n] fp32 tile, by forward substitution one row at a time:
     row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series.
-    rolled: the rows as a loop (as fla's kernel runs them) instead of unrolled."""
+    Unrolled: as a loop (fla's form) the prep kernel took 185 µs against 171 at 1x8192, and reading rows
+    off aᵀ (no layout change between a step's two reductions) 180 against 173
+    (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; code in commit 8cc9ca1)."""
     n = a.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-    def step(i, inv):
+    inv = (r == c).astype(f32)
+    for i in range(1, n):
         a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)  # row i of a, [n]
-        row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
-        return jnp.where(r == i, row[None, :], inv)
-
-    inv = (r == c).astype(f32)
-    if rolled:
-        return lax.fori_loop(1, n, step, inv)
-    for i in range(1, n):
-        inv = step(i, inv)
-    return inv
-
-
-def _unit_lower_inverse_t(at):
-    """(I + a)⁻¹ from aᵀ (a strictly lower [n, n] fp32 tile): the same forward substitution, with row i of a
-    read as column i of aᵀ. That reduction runs along axis 1, so its result already lies along the axis the
-    next reduction broadcasts it on: in Triton no layout conversion (a shared-memory round trip and
-    barrier) per row, which reading a row of a costs."""
-    n = at.shape[0]
-    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    inv = (r == c).astype(f32)
-    for i in range(1, n):
-        a_i = jnp.sum(jnp.where(c == i, at, 0.0), axis=1)  # a[i, m] along m: [n]
         row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
         inv = jnp.where(r == i, row[None, :], inv)
     return inv
 
 
-def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype, transposed_solve=False,
-                 rolled_solve=False, tf32_merge=False):
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
     """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk.
 
     Keys and values stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the
@@ -263,22 +242,18 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
         scale = (betas[i] * inv_norm[i])[:, None] * inv_norm[j][None, :]
         return _dot(ks[i], ks[j].T, dtype) * scale * jnp.exp(diff)
 
-    def a_diagonal_t(i):  # A_iiᵀ: K_i K_iᵀ is symmetric, so only the scales and the decay swap sides
-        diff = jnp.where(ri < ci, gam[i][None, :] - gam[i][:, None], -jnp.inf)
-        scale = inv_norm[i][:, None] * (betas[i] * inv_norm[i])[None, :]
-        return _dot(ks[i], ks[i].T, dtype) * scale * jnp.exp(diff)
-
     A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i)}
+    # The block combination's [16, 16] products run on TF32 tensor cores when the model's operands are bf16
+    # (fla's choice; W and U are stored in bf16 anyway): the prep kernel 151 µs against 171 with exact fp32
+    # FMA products at 1x8192 (gdn-solve-scan-probe-r2). fp32 runs keep exact products.
+    tf32 = jnp.dtype(dtype) != jnp.dtype(f32)
     inv = {}
     for i in range(nsub):
-        if transposed_solve:
-            inv[i, i] = _unit_lower_inverse_t(a_diagonal_t(i))
-        else:
-            inv[i, i] = _unit_lower_inverse(a_block(i, i), rolled=rolled_solve)
+        inv[i, i] = _unit_lower_inverse(a_block(i, i))
         for j in range(i - 1, -1, -1):
             # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
-            acc = sum(_dot(A[i, m], inv[m, j], f32, tf32_merge) for m in range(j, i))
-            inv[i, j] = -_dot(inv[i, i], acc, f32, tf32_merge)
+            acc = sum(_dot(A[i, m], inv[m, j], f32, tf32) for m in range(j, i))
+            inv[i, j] = -_dot(inv[i, i], acc, f32, tf32)
     w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
         u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
@@ -289,43 +264,23 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *
         kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
 
 
-def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype, prefetch, split_k=False):
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
-    state and V' for the parallel output kernel.
-
-    prefetch: chunk n+1's W, U, Kd and decay are loaded while chunk n computes (carried through the
-    loop), so the loads leave the serial chain. It pays when a program has its SM to itself, and costs
-    occupancy when two share one: 0.8B, one row of 8192 tokens (dv tile 16, 128 programs) 191 µs against
-    228; eight rows of 1024 (dv tile 64, 256 programs) 90 against 65
-    (bench/results/gdn-prep-probe-2_gpu_20261201.json).
-    split_k: the state as two [dk/2, BV] halves (as fla's kernel holds it), W and Kd loaded per half."""
+    state and V' for the parallel output kernel. Triton's loop pipelining loads the next chunks' W, U and
+    Kd ahead (`gdn_chunked_pallas` picks its depth)."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(iv * BV, BV)
-    dk = w_ref.shape[-1]
-    halves = [pl.ds(0, dk // 2), pl.ds(dk // 2, dk // 2)] if split_k else [pl.ds(0, dk)]
 
-    def load(n):
+    def chunk(n, S):
         rows = pl.ds(n * CHUNK, CHUNK)
-        return (tuple(w_ref[b, rows, h, x] for x in halves), u_ref[b, rows, h, cols],
-                tuple(kd_ref[b, rows, h, x] for x in halves), gam_ref[b, n * CHUNK + CHUNK - 1, h])
-
-    def chunk(n, carry):
-        S, loaded = carry
-        ahead = load(jnp.minimum(n + 1, N - 1)) if prefetch else None
-        w, u, kd, g_last = loaded if prefetch else load(n)
-        rows = pl.ds(n * CHUNK, CHUNK)
-        for s, x in zip(S, halves):
-            h_ref[b, n, h, x, cols] = s.astype(h_ref.dtype)
-        v_new = u.astype(f32) - sum(_dot(wx, s, dtype) for wx, s in zip(w, S))  # [C, BV]
+        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
+        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        decay = jnp.exp(g_last)
-        return tuple(s * decay + _dot(kx.T, v_new, dtype) for s, kx in zip(S, kd)), ahead
+        g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
+        return S * jnp.exp(g_last) + _dot(kd_ref[b, rows, h, :].T, v_new, dtype)
 
-    S0 = tuple(s0_ref[b, h, x, cols].astype(f32) for x in halves)
-    ST = lax.fori_loop(0, N, chunk, (S0, load(0) if prefetch else None))[0]
-    for s, x in zip(ST, halves):
-        sT_ref[b, h, x, cols] = s
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -372,7 +327,7 @@ class OutputGate(NamedTuple):
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int = 2):
+                       scan_stages: int | None = None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
@@ -382,7 +337,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
 
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
     and output kernels; warps per (prep, scan, output) kernel; scan_stages Triton's pipelining depth of the
-    scan's chunk loop. The prep kernel runs fastest on 2 warps:
+    scan's chunk loop (default: 3 when the scan has at most one program per SM, else 2). The prep kernel runs fastest on 2 warps:
     165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
     (bench/results/gdn-prep-probe_gpu_20261201.json)."""
     prep_warps, scan_warps, out_warps = warps
@@ -408,9 +363,15 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
-    scan_programs = B * Hv * (dvp // BV)
+    if scan_stages is None:
+        # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
+        # (dv tile 16, 128 programs) 151 µs against 191 for the hand-written one-chunk prefetch this kernel
+        # had and 229-231 on 1-2 stages; with two programs an SM the shallower pipeline's occupancy wins:
+        # eight rows of 1024 (dv tile 64, 256 programs) 74 µs on 2 stages against 88 on 3
+        # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
+        scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype, prefetch=scan_programs <= PREFETCH_MAX_PROGRAMS),
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
     )(w, u, kd, gam, s0)

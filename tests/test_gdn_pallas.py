@@ -53,18 +53,6 @@ def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out
     assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-def test_chunked_kernel_scan_with_and_without_prefetch_equals_scan(monkeypatch):
-    """The scan kernel prefetches the next chunk only on grids of few programs: both forms, forced."""
-    import pallas_kernels.gdn_pallas as gp
-
-    q, k, v, g, beta, s0 = random_inputs(B=2, T=200, Hk=1, Hv=2, dk=32, dv=32, seed=3)
-    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
-    for limit in (0, 10**6):
-        monkeypatch.setattr(gp, "PREFETCH_MAX_PROGRAMS", limit)
-        o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
-        assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5, limit
-
-
 @pytest.mark.parametrize("dtype, dv", [(jnp.float32, 32), (jnp.bfloat16, 24)])
 def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, dv):
     """gate=(z, weight, eps): the output kernel's gated RMS norm against norms.gated_rms_norm of the plain

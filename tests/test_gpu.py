@@ -1,6 +1,8 @@
 """GPU-only checks (pytest -m gpu): compiled kernels against their references, and the PD + MTP engine
 with the Triton and Pallas input-assembly kernels against plain greedy decoding."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -57,12 +59,13 @@ def test_pd_across_two_devices():
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 2, 4, 16, 24), (1, 300, 4, 4, 128, 128), (3, 130, 2, 4, 64, 128)])
-def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
-    """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls)."""
+def test_pallas_gdn_kernels_compiled_equal_reference(shape):
+    """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls), and the
+    chunked kernel on bf16 inputs (bf16 tensor cores, the solve's block combination on TF32) against the
+    reference on the same rounded inputs."""
     import jax.numpy as jnp
 
     from jaxgdn.norms import gated_rms_norm
-    from pallas_kernels import gdn_pallas
     from pallas_kernels.gdn import gdn_recurrent_checkpoints
     from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
     from test_gdn_core import random_inputs
@@ -72,11 +75,14 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape, monkeypatch):
     with jax.default_matmul_precision("highest"):
         o_ref, s_ref, states_ref = jax.jit(gdn_recurrent_checkpoints)(q, k, v, g, beta, s0)
     err = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
-    o, s = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta, s0)
-    assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
-    monkeypatch.setattr(gdn_pallas, "PREFETCH_MAX_PROGRAMS", 0)  # the scan's other form (large grids)
-    o, s = jax.jit(gdn_chunked_pallas)(q, k, v, g, beta, s0)
-    assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4
+    for stages in (2, 3):  # the scan's two pipeline depths (large and small grids)
+        o, s = jax.jit(functools.partial(gdn_chunked_pallas, scan_stages=stages))(q, k, v, g, beta, s0)
+        assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4, stages
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        o_bf_ref, s_bf_ref = jax.jit(gdn_recurrent_checkpoints)(*(x.astype(jnp.float32) for x in bf), g, beta, s0)[:2]
+    o_bf, s_bf = jax.jit(gdn_chunked_pallas)(*bf, g, beta, s0)
+    assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2
     z = jax.random.normal(jax.random.PRNGKey(T), o.shape)
     want = gated_rms_norm(o, z, jnp.ones(dv), 1e-6, jnp.float32)
     got, _ = jax.jit(lambda *a: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6)))(q, k, v, g, beta, s0)

@@ -7,9 +7,9 @@ r9 held the chunk's L2-normed keys, β-scaled keys and β-scaled values as three
 kernel (about 190 registers a thread at 4 warps, before anything else); the lean form keeps the raw bf16
 tiles and folds the norms, β and decays into the [16, 16] tiles. `noinv` is a diagnostic, not a kernel:
 the lean form with the diagonal blocks' forward substitution skipped (wrong output), to price that solve.
-`prefetch` is the scan loading chunk n+1's W, U, Kd and decay while it computes chunk n (the loads carried
-in the loop) instead of at the top of each iteration. Each row: the forms, the prep kernel's warps, µs
-per call of the three kernels, and max |o - o_ref| against the XLA chunked form in fp32.
+Each row: the forms, the prep kernel's warps, µs per call of the three kernels, and max |o - o_ref| against
+the XLA chunked form in fp32. The results of 2026-12-01 also time the scan's hand-written prefetch, which
+Triton's 3-stage loop pipelining replaced (bench/probes/gdn_solve_scan.py in commit 8cc9ca1).
 """
 
 import functools
@@ -72,7 +72,7 @@ def _prep_kernel_r9(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref
         kd_ref[b, rows, h, :] = (ks[i] * jnp.exp(offset - gam[i])[:, None]).astype(kd_ref.dtype)
 
 
-_LEAN_PREP, _SCAN = gp._prep_kernel, gp._scan_kernel
+_LEAN_PREP = gp._prep_kernel
 
 
 def _prep_kernel_noinv(*refs, group, dtype):
@@ -86,34 +86,20 @@ def _prep_kernel_noinv(*refs, group, dtype):
         gp._unit_lower_inverse = saved
 
 
-def _scan_kernel_prefetch(*refs, N, BV, dtype, prefetch):
-    """The scan with chunk n+1's operands loaded while chunk n computes (now `gp._scan_kernel`'s prefetch)."""
-    _SCAN(*refs, N=N, BV=BV, dtype=dtype, prefetch=True)
+# (name, prep kernel, prep warps)
+FORMS = (("r9", _prep_kernel_r9, 4), ("lean", gp._prep_kernel, 2), ("lean-w1", gp._prep_kernel, 1),
+         ("noinv", _prep_kernel_noinv, 2))
 
 
-def _scan_kernel_plain(*refs, N, BV, dtype, prefetch):
-    """The scan loading each chunk's operands at the top of its iteration (r9)."""
-    _SCAN(*refs, N=N, BV=BV, dtype=dtype, prefetch=False)
-
-
-# (name, prep kernel, prep warps, scan kernel, scan dv tile)
-FORMS = (("r9", _prep_kernel_r9, 4, _scan_kernel_plain, None), ("lean", gp._prep_kernel, 2, _scan_kernel_plain, None),
-         ("lean-w1", gp._prep_kernel, 1, _scan_kernel_plain, None),
-         ("noinv", _prep_kernel_noinv, 2, _scan_kernel_plain, None),
-         ("lean+prefetch", gp._prep_kernel, 2, _scan_kernel_prefetch, None),
-         ("lean+prefetch-bv32", gp._prep_kernel, 2, _scan_kernel_prefetch, 32))
-
-
-def run_form(prep, warps, scan, block_v, *args):
-    """gdn_chunked_pallas with `prep` and `scan` as its kernels (module globals it looks up when traced)."""
-    saved = gp._prep_kernel, gp._scan_kernel
-    gp._prep_kernel, gp._scan_kernel = prep, scan
+def run_form(prep, warps, *args):
+    """gdn_chunked_pallas with `prep` as its prep kernel (a module global it looks up when traced)."""
+    gp._prep_kernel = prep
     try:
-        f = jax.jit(functools.partial(gp.gdn_chunked_pallas, warps=(warps, 4, 4), block_v=block_v))
+        f = jax.jit(functools.partial(gp.gdn_chunked_pallas, warps=(warps, 4, 4)))
         out = f(*args)
         summary = profile_calls(f, *args) if jax.default_backend() == "gpu" else {"top": []}
     finally:
-        gp._prep_kernel, gp._scan_kernel = saved
+        gp._prep_kernel = _LEAN_PREP
     return out, {name: round(us, 1) for name, us, _ in summary["top"] if name.startswith("_")}
 
 
@@ -123,14 +109,13 @@ def main(out_path=None):
     for B, T in shapes:
         q, k, v, g, beta = random_gdn_inputs(B, T, H, d, seed=B * T)
         ref, _ = jax.jit(gdn_chunked)(*(x.astype(f32) for x in (q, k, v)), g, beta)
-        for name, prep, warps, scan, block_v in FORMS:
+        for name, prep, warps in FORMS:
 
-            def measure(prep=prep, warps=warps, scan=scan, block_v=block_v):
-                (o, _), us = run_form(prep, warps, scan, block_v, q, k, v, g, beta)
+            def measure(prep=prep, warps=warps):
+                (o, _), us = run_form(prep, warps, q, k, v, g, beta)
                 return {"us": us, "error": float(jnp.abs(o - ref).max())}
 
-            rows.append(probe_row({"shape": [B, T, H, d], "form": name, "prep_warps": warps, "scan_block_v": block_v},
-                                  measure))
+            rows.append(probe_row({"shape": [B, T, H, d], "form": name, "prep_warps": warps}, measure))
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"benchmark": "gdn-prep-probe", "rows": rows, "env": environment()}, f, indent=1)
