@@ -29,13 +29,15 @@ for step in $steps; do
     # names what passed. The two-device test runs apart (skipped on one GPU) with a stack dump if it stalls.
     # The 4-verify-steps test (r13) has its own step, tests-verify: in the engine half it was cut while
     # compiling (2026-12-02); alone it took 67 s on a warm machine with the compilation cache filled.
+    # tests-kernels allows 560 s since r18: the GDN kernel test compiles both scan depths and a bf16 run
+    # (its two large shapes took 100 and 57 s).
     tests-engine) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or decode_launches" \
                -o faulthandler_timeout=150 > "$dest/gpu-tests-engine_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$dest/gpu-tests-engine_$stamp.txt" ;;
     tests-verify) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "verify_launches" \
                -o faulthandler_timeout=300 > "$dest/gpu-tests-verify_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-verify_$stamp.txt" ;;
-    tests-kernels) timeout 450 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
+    tests-kernels) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
                -k "not pd_ and not four_steps" > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-kernels_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
