@@ -21,7 +21,8 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   Each row of the batch starts from its own initial state and chunks never cross rows.
 
 Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
-models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32.
+models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32
+(for bf16 models the inverse's block combination multiplies on TF32, as fla's does).
 Triton needs power-of-two tiles: dk and dv are zero-padded up to one (exactly a no-op, see `_pad_heads`).
 """
 
@@ -39,7 +40,7 @@ from .common import interpret_default, triton_params
 
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
-DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up to this many programs (one per SM or fewer)
+DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up to this many programs (<= one per SM)
 f32 = jnp.float32
 
 
@@ -337,9 +338,9 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
 
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
     and output kernels; warps per (prep, scan, output) kernel; scan_stages Triton's pipelining depth of the
-    scan's chunk loop (default: 3 when the scan has at most one program per SM, else 2). The prep kernel runs fastest on 2 warps:
-    165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8
-    (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    scan's chunk loop (default: 3 when the scan has at most one program per SM, else 2). The prep kernel
+    runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
+    combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
     prep_warps, scan_warps, out_warps = warps
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
