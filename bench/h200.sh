@@ -29,14 +29,14 @@ for step in $steps; do
     # names what passed. The two-device test runs apart (skipped on one GPU) with a stack dump if it stalls.
     # The 4-verify-steps test (r13) has its own step, tests-verify: in the engine half it was cut while
     # compiling (2026-12-02); alone it took 67 s on a warm machine with the compilation cache filled.
-    # tests-kernels allows 560 s since r18: the GDN kernel test compiles both scan depths and a bf16 run
-    # (its two large shapes took 100 and 57 s).
     tests-engine) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "pd_ or decode_launches" \
                -o faulthandler_timeout=150 > "$dest/gpu-tests-engine_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$dest/gpu-tests-engine_$stamp.txt" ;;
     tests-verify) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "verify_launches" \
                -o faulthandler_timeout=300 > "$dest/gpu-tests-verify_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-verify_$stamp.txt" ;;
+    # tests-kernels allows 560 s since r18: the GDN kernel test compiles both scan depths and a bf16 run
+    # (its two large shapes took 100 and 57 s).
     tests-kernels) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
                -k "not pd_ and not four_steps" > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-kernels_$stamp.txt" ;;
@@ -68,9 +68,9 @@ for step in $steps; do
                2>&1 | grep -v Warning
              PROBE_XLA_ONLY=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 100 python3 bench/probes/cold_products.py \
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
-    # the chunked GDN's kernel forms: prep and scan (gdn_prep.py), the gated norm fused into the output kernel
     # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # the chunked GDN's kernel forms: prep (gdn_prep.py), the gated norm fused into the output kernel
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # sampled MTP rows on the GPU (they emitted the pad token 0 in r16; cause found in r2: Triton GEMM
