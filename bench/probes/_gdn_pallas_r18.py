@@ -1,0 +1,400 @@
+"""Pallas kernels of the gated delta rule (Triton lowering on GPU, interpret mode on CPU).
+
+Same math and shapes as `pallas_kernels/gdn.py` (its `gdn_recurrent_reference` is the reference):
+q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv] fp32; state [B, Hv, dk, dv] fp32.
+Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scale happen in-kernel.
+
+- `gdn_recurrent_pallas`: the token loop, one program per (row, value head, dv block) holding its
+  [dk, BV] state tile in registers. Decode (T=1) and spec verification (T=1+K, `keep_states=True`
+  writes the state after every position, the checkpoints rollback selects from).
+- `gdn_recurrent_pooled`: the same loop reading and writing the engine's slot pool in place: it starts
+  from checkpoint `num_accepted - 1` of the row's slot (zeros for a fresh row) and writes one checkpoint
+  per window position (verify rows) or the final state (other rows), with no gathered copy of states.
+  It reads q, k, v from the packed conv output [B, T, q‖k‖v] (`conv_pallas.causal_conv_pooled`'s).
+- `gdn_chunked_pallas`: the chunked (WY) form in three kernels. `_prep_kernel` runs over all chunks in
+  parallel: cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward
+  substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and
+  Kd = e^{γ_last-γ}K. `_scan_kernel` is the only sequential part: per (row, head, dv block) it walks the
+  chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + KdᵀV', storing each chunk's
+  entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V', and
+  with `gate=` it applies the layer's gated RMS norm before the store (the GDN layer's default there).
+  Each row of the batch starts from its own initial state and chunks never cross rows.
+
+Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
+models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32
+(for bf16 models the inverse's block combination multiplies on TF32, as fla's does).
+Triton needs power-of-two tiles: dk and dv are zero-padded up to one (exactly a no-op, see `_pad_heads`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import interpret_default, triton_params
+
+CHUNK = 64  # tokens per chunk of the chunked form
+SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
+DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up to this many programs (<= one per SM)
+f32 = jnp.float32
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _dot(a, b, dtype, tf32: bool = False):
+    """a @ b with operands cast to dtype, fp32 accumulation; HIGHEST keeps fp32 operands off TF32 unless
+    tf32 (Pallas' Triton lowering maps DEFAULT to TF32; interpret mode computes fp32 either way)."""
+    precision = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=f32, precision=precision)
+
+
+def _pad_heads(q, k, v, initial_state):
+    """Zero state when None, fp32; then zero-pad dk, dv to powers of two >= 16. Zero key/query columns
+    leave the norms and the state's real rows unchanged; zero value columns stay zero in the state and
+    the output. Exact no-op."""
+    B, _, _, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    initial_state = jnp.zeros((B, Hv, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
+    pk, pv = max(16, pl.next_power_of_2(dk)) - dk, max(16, pl.next_power_of_2(dv)) - dv
+    if pk:
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, pk)]) for x in (q, k))
+    if pv:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, pv)])
+    if pk or pv:
+        initial_state = jnp.pad(initial_state, [(0, 0), (0, 0), (0, pk), (0, pv)])
+    return q, k, v, initial_state
+
+
+def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
+    """dv tile: 64 (fewer recomputations) unless that leaves the GPU short of programs; >= 16."""
+    bv = min(dv, 64)
+    while bv > 16 and programs * (dv // bv) < target_programs:
+        bv //= 2
+    return bv
+
+
+# ----------------------------------------------------------------------------- recurrent (decode / verify)
+
+
+def _delta_step(q, k, v, g, beta, scale, S):
+    """One token of the recurrence on a [dk, BV] state tile: q, k [dk] (raw: L2-normed here), v [BV],
+    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32)."""
+    q = _l2norm(q.astype(f32)) * scale
+    k = _l2norm(k.astype(f32))
+    S = S * jnp.exp(g)
+    pred = jnp.sum(S * k[:, None], axis=0)  # Sᵀk: [BV]
+    S = S + k[:, None] * (beta * (v.astype(f32) - pred))[None, :]
+    return S, jnp.sum(S * q[:, None], axis=0)
+
+
+def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, sT_ref, *ckpt_refs, T, group, BV, scale):
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+
+    def step(t, S):  # S: [dk, BV] fp32
+        S, o = _delta_step(q_ref[b, t, hk, :], k_ref[b, t, hk, :], v_ref[b, t, h, cols], g_ref[b, t, h],
+                           beta_ref[b, t, h], scale, S)
+        o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
+        if ckpt_refs:
+            ckpt_refs[0][b, t, h, :, cols] = S
+        return S
+
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, T, step, s0_ref[b, h, :, cols].astype(f32))
+
+
+def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool = False, interpret=None,
+                         num_warps: int = 4):
+    """The recurrence as one kernel. Returns (o [B, T, Hv, dv] fp32, final state [B, Hv, dk, dv] fp32) and,
+    with keep_states, the state after every step [B, T, Hv, dk, dv] (the spec-verify checkpoints)."""
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, s0 = _pad_heads(q, k, v, initial_state)
+    dkp, dvp = q.shape[-1], v.shape[-1]
+    BV = _value_block(dvp, B * Hv)
+    out_shape = [jax.ShapeDtypeStruct((B, T, Hv, dvp), f32), jax.ShapeDtypeStruct((B, Hv, dkp, dvp), f32)]
+    if keep_states:
+        out_shape.append(jax.ShapeDtypeStruct((B, T, Hv, dkp, dvp), f32))
+    kernel = functools.partial(_recurrent_kernel, T=T, group=Hv // Hk, BV=BV, scale=dk**-0.5)
+    outs = pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=(B, Hv, dvp // BV), interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(q, k, v, g.astype(f32), beta.astype(f32), s0)
+    o, sT = outs[0][..., :dv], outs[1][:, :, :dk, :dv]
+    if keep_states:
+        return o, sT, outs[2][..., :dk, :dv]
+    return o, sT
+
+
+def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref,
+                   *, T, W, group, dk, BV, scale):
+    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    qk_width = qkv_ref.shape[2] - o_ref.shape[2] * o_ref.shape[3]  # q ‖ k channels before v's Hv * dv
+    q_cols, k_cols = pl.ds(hk * dk, dk), pl.ds(qk_width // 2 + hk * dk, dk)
+    cols = pl.ds(iv * BV, BV)
+    v_cols = pl.ds(qk_width + h * o_ref.shape[3] + iv * BV, BV)
+    slot = slot_ref[b]
+    S = pool_ref[slot, start_ref[b], h, :, cols]
+    S = jnp.where(fresh_ref[b] != 0, 0.0, S)  # a fresh row never sees what the slot held before
+    verify = verify_ref[b] != 0
+
+    def step(t, S):
+        S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], g_ref[b, t, h],
+                           beta_ref[b, t, h], scale, S)
+        o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
+        # Verify rows keep the state after every window position: checkpoint t.
+        plt.store(pool_ref.at[slot, jnp.minimum(t, W - 1), h, :, cols], S, mask=jnp.full(S.shape, verify & (t < W)))
+        return S
+
+    S = lax.fori_loop(0, T, step, S)
+    plt.store(pool_ref.at[slot, jnp.int32(0), h, :, cols], S, mask=jnp.full(S.shape, jnp.logical_not(verify)))
+
+
+def pooled_kernel_supports(dk: int, dv: int) -> bool:
+    """The in-place kernel cannot pad the pool: head dims must already be Triton tiles."""
+    return all(d >= 16 and d == pl.next_power_of_2(d) for d in (dk, dv))
+
+
+def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int = 4):
+    """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
+
+    qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
+    sliced copies); g, beta [B, T, Hv]; pool [S, W, Hv, dk, dv] fp32 (W = 1+K checkpoints per slot);
+    slots [B] pool slot of each row; start [B] checkpoint to start from (num_accepted - 1); fresh [B]
+    start from zeros; verify [B] write the state after window position t to checkpoint t (t < W), else
+    write the final state to checkpoint 0.
+    Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
+    the null slot: what they write there is never read).
+    """
+    B, T, C = qkv.shape
+    _, W, Hv, dk, dv = pool.shape
+    Hk = (C - Hv * dv) // (2 * dk)
+    assert pooled_kernel_supports(dk, dv) and C == 2 * Hk * dk + Hv * dv, (C, pool.shape)
+    BV = _value_block(dv, B * Hv)
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5)
+    o, pool = pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(B, Hv, dv // BV), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(qkv, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
+    return o, pool
+
+
+# ----------------------------------------------------------------------------- chunked (prefill)
+
+
+def _unit_lower_inverse(a):
+    """(I + a)⁻¹ for a strictly lower [n, n] fp32 tile, by forward substitution one row at a time:
+    row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series.
+    Unrolled: as a loop (fla's form) the prep kernel took 185 µs against 171 at 1x8192, and reading rows
+    off aᵀ (no layout change between a step's two reductions) 180 against 173
+    (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; code in commit 8cc9ca1)."""
+    n = a.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    inv = (r == c).astype(f32)
+    for i in range(1, n):
+        a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)  # row i of a, [n]
+        row = jnp.where(lax.iota(jnp.int32, n) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
+        inv = jnp.where(r == i, row[None, :], inv)
+    return inv
+
+
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
+    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, W, U and e^{γ_last-γ}K for the chunk.
+
+    Keys and values stay raw in their input dtype (the matmul operands as loaded); the L2 norm, β and the
+    decays are per-row scales folded into the [SUB, SUB] tiles: A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ)
+    with n the inverse key norms, U_i = Σ_j (T_ij β_j) V_j, W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j. So no
+    [CHUNK, dk] fp32 copies are live across the kernel: r9 held three of them and took 250 µs a layer at
+    8192 tokens (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    nsub = CHUNK // SUB
+    rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
+    ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
+    inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
+    betas = [beta_ref[b, r, h] for r in rows]
+    gam = []
+    offset = jnp.zeros((), f32)
+    for r in rows:
+        g = g_ref[b, r, h]
+        gam.append(jnp.cumsum(g) + offset)
+        offset = offset + jnp.sum(g)
+        gam_ref[b, r, h] = gam[-1]
+    ri = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+
+    def a_block(i, j):  # rows of sub-block i, columns of sub-block j (i >= j)
+        diff = gam[i][:, None] - gam[j][None, :]
+        if i == j:
+            diff = jnp.where(ri > ci, diff, -jnp.inf)  # mask before exp: strict lower only
+        scale = (betas[i] * inv_norm[i])[:, None] * inv_norm[j][None, :]
+        return _dot(ks[i], ks[j].T, dtype) * scale * jnp.exp(diff)
+
+    A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i)}
+    # The block combination's [16, 16] products run on TF32 tensor cores when the model's operands are bf16
+    # (fla's choice; W and U are stored in bf16 anyway): the prep kernel 151 µs against 171 with exact fp32
+    # FMA products at 1x8192 (gdn-solve-scan-probe-r2). fp32 runs keep exact products.
+    tf32 = jnp.dtype(dtype) != jnp.dtype(f32)
+    inv = {}
+    for i in range(nsub):
+        inv[i, i] = _unit_lower_inverse(a_block(i, i))
+        for j in range(i - 1, -1, -1):
+            # Block forward substitution: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj.
+            acc = sum(_dot(A[i, m], inv[m, j], f32, tf32) for m in range(j, i))
+            inv[i, j] = -_dot(inv[i, i], acc, f32, tf32)
+    w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
+    for i in range(nsub):
+        u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
+        w = sum(_dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
+        u_ref[b, rows[i], h, :] = u.astype(u_ref.dtype)
+        w_ref[b, rows[i], h, :] = w.astype(w_ref.dtype)
+        kd = ks[i].astype(f32) * (inv_norm[i] * jnp.exp(offset - gam[i]))[:, None]  # offset = γ_last
+        kd_ref[b, rows[i], h, :] = kd.astype(kd_ref.dtype)
+
+
+def _scan_kernel(w_ref, u_ref, kd_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, dtype):
+    """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
+    only sequential part: V' = U - W S and S <- e^{γ_last} S + KdᵀV'. Stores each chunk's entering
+    state and V' for the parallel output kernel. Triton's loop pipelining loads the next chunks' W, U and
+    Kd ahead (`gdn_chunked_pallas` picks its depth)."""
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(iv * BV, BV)
+
+    def chunk(n, S):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
+        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
+        vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
+        g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
+        return S * jnp.exp(g_last) + _dot(kd_ref[b, rows, h, :].T, v_new, dtype)
+
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
+
+
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
+    """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
+
+    norm = (eps, dv, z_offset, z_stride) (refs z, weight, out; the block a whole head): the GDN layer's
+    gated RMS norm is applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z,
+    weight)` computes it: the fp32 O never goes to memory and back. dv is the real head width (padded
+    columns are zero); head h's gate is z[b, t, z_offset + h * z_stride : ... + dv] of a [B, T, C] z."""
+    b, h, n, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+    rows = pl.ds(n * CHUNK, CHUNK)
+    r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
+    k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
+    gam = gam_ref[b, rows, h]
+    intra = _dot(q, k.T, dtype) * jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
+    o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
+    o_ref = refs[-1]
+    if norm is not None:
+        z_ref, w_ref = refs[:2]
+        eps, dv, z_offset, z_stride = norm
+        o = o.astype(o_ref.dtype).astype(f32)  # the layer casts the core output to its activation dtype first
+        normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(o_ref.dtype).astype(f32)
+        z = z_ref[b, rows, pl.ds(z_offset + h * z_stride + iv * BV, BV)].astype(f32)
+        o = w_ref[cols].astype(f32)[None, :] * normed * (z * jax.nn.sigmoid(z))
+    o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
+
+
+class OutputGate(NamedTuple):
+    """The GDN layer's gated RMS norm, for the chunked kernel's output kernel to apply.
+
+    z: the gates, [B, T, Hv, dv], or (with z_offset) any [B, T, C] array whose columns z_offset + h * dv
+    .. + dv hold value head h's: the fused projection's whole product, read in place (a slice passed to
+    the kernel is first copied into a buffer of its own by XLA). weight [dv]; eps the norm's epsilon."""
+
+    z: jax.Array
+    weight: jax.Array
+    eps: float
+    z_offset: int = 0
+
+
+def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
+                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
+                       scan_stages: int | None = None):
+    """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
+
+    gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
+    layer's gated RMS norm (on whole heads) and returns it in z.dtype instead of o:
+    `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)` without the fp32 o's round trip
+    through memory (bench/probes/gdn_output_norm.py measures it).
+
+    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
+    and output kernels; warps per (prep, scan, output) kernel; scan_stages Triton's pipelining depth of the
+    scan's chunk loop (default: 3 when the scan has at most one program per SM, else 2). The prep kernel
+    runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
+    combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
+    prep_warps, scan_warps, out_warps = warps
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, s0 = _pad_heads(q, k, v, initial_state)
+    dkp, dvp = q.shape[-1], v.shape[-1]
+    pad = (-T) % CHUNK
+    g, beta = g.astype(f32), beta.astype(f32)
+    if pad:  # padded steps: zero k, v, beta and g neither decay nor write the state
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        q, k, v, g, beta = (padt(x) for x in (q, k, v, g, beta))
+    Tp, N = T + pad, (T + pad) // CHUNK
+    # Intermediates are stored in the matmul operand dtype: the later kernels cast them to it anyway.
+    dtype = jnp.promote_types(v.dtype, q.dtype)
+    interpret = interpret_default(interpret)
+    group = Hv // Hk
+    sds = jax.ShapeDtypeStruct
+    w, u, kd, gam = pl.pallas_call(
+        functools.partial(_prep_kernel, group=group, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv, dkp), dtype),
+                   sds((B, Tp, Hv), f32)),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
+    )(k, v, g, beta)
+    BV = block_v or _value_block(dvp, B * Hv)
+    if scan_stages is None:
+        # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
+        # (dv tile 16, 128 programs) 151 µs against 191 for the hand-written one-chunk prefetch this kernel
+        # had and 229-231 on 1-2 stages; with two programs an SM the shallower pipeline's occupancy wins:
+        # eight rows of 1024 (dv tile 64, 256 programs) 74 µs on 2 stages against 88 on 3
+        # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
+        scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
+    h_enter, v_new, sT = pl.pallas_call(
+        functools.partial(_scan_kernel, N=N, BV=BV, dtype=dtype),
+        out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
+    )(w, u, kd, gam, s0)
+    # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
+    # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
+    # (bench/results/gdn-chunk-configs-probe_gpu_20261201.json).
+    BVO = min(dvp, block_v_out or (128 if B * Hv * N >= 1024 else 64))
+    norm, gate_args, out_dtype = None, (), f32
+    if gate is not None:  # the norm reads whole heads: one dv tile
+        gate = OutputGate(*gate)
+        z, z_offset, z_stride = gate.z, gate.z_offset, dv
+        if z.ndim == 4:  # [B, T, Hv, dv]: head-contiguous, read at column h * dv
+            z, z_offset = z.reshape(B, T, Hv * dv), 0
+        if pad or dvp != dv:  # a padded copy of just the gates, heads dvp apart
+            z = jnp.pad(z[..., z_offset : z_offset + Hv * dv].reshape(B, T, Hv, dv),
+                        [(0, 0), (0, pad), (0, 0), (0, dvp - dv)])
+            z, z_offset, z_stride = z.reshape(B, Tp, Hv * dvp), 0, dvp
+        BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
+        gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
+        out_shape=sds((B, Tp, Hv, dvp), out_dtype),
+        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
+    )(q, k, gam, h_enter, v_new, *gate_args)
+    return o[:, :T, :, :dv], sT[:, :, :dk, :dv]
