@@ -13,11 +13,12 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   It reads q, k, v from the packed conv output [B, T, q‖k‖v] (`conv_pallas.causal_conv_pooled`'s).
 - `gdn_chunked_pallas`: the chunked (WY) form in three kernels. `_prep_kernel` runs over all chunks in
   parallel: cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward
-  substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and
-  Kd = e^{γ_last-γ}K. `_scan_kernel` is the only sequential part: per (row, head, dv block) it walks the
-  chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + KdᵀV', storing each chunk's
-  entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V', and
-  with `gate=` it applies the layer's gated RMS norm before the store (the GDN layer's default there).
+  substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and the key
+  scale s = e^{γ_last-γ} (with the key norm). `_scan_kernel` is the only sequential part: per (row, head,
+  dv block) it walks the chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'),
+  storing each chunk's entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter +
+  (QKᵀ ⊙ Dec) V', and with `gate=` it applies the layer's gated RMS norm before the store (the GDN
+  layer's default there).
   Each row of the batch starts from its own initial state and chunks never cross rows.
 
 Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
@@ -211,21 +212,9 @@ def _unit_lower_inverse(a):
     return inv
 
 
-def _chunk_decays(g_ref, gam_ref, b, h, rows):
-    """γ, the cumulative log decay within the chunk, per [SUB] row block (stored to gam_ref too); returns
-    (the blocks' γ, γ_last)."""
-    gam, offset = [], jnp.zeros((), f32)
-    for r in rows:
-        g = g_ref[b, r, h]
-        gam.append(jnp.cumsum(g) + offset)
-        offset = offset + jnp.sum(g)
-        gam_ref[b, r, h] = gam[-1]
-    return gam, offset
-
-
 def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
-    """The blocked (I+A)⁻¹ of one chunk from its raw key blocks ks [SUB, dk], their inverse norms, β and γ
-    [SUB]: {(i, j): T_ij [SUB, SUB] fp32} for j <= i.
+    """The blocked (I+A)⁻¹ of one chunk from its raw key blocks ks [SUB, dk] and their inverse norms, β and
+    γ ([SUB] each): {(i, j): T_ij [SUB, SUB] fp32} for j <= i.
 
     The L2 norm, β and the decays are per-row scales folded into the [SUB, SUB] tiles,
     A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ), so no [CHUNK, dk] fp32 copies of the keys are live: r9 held three
@@ -256,21 +245,29 @@ def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
     return inv
 
 
-def _chunk_keys(k_ref, beta_ref, b, h, hk, rows):
-    """The chunk's raw key blocks [SUB, dk] (input dtype), their inverse L2 norms (as _l2norm) and β."""
-    ks = [k_ref[b, r, hk, :] for r in rows]
-    inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]
-    return ks, inv_norm, [beta_ref[b, r, h] for r in rows]
-
-
 def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group, dtype):
-    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹, U_i = Σ_j (T_ij β_j) V_j,
-    W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j, and the per-token key scale n e^{γ_last-γ} the scan applies."""
+    """One (row, value head, chunk): γ, the blocked (I+A)⁻¹ (`_chunk_inverse`), U_i = Σ_j (T_ij β_j) V_j,
+    W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j and the per-token key scale n e^{γ_last-γ} for the scan.
+
+    Keys and values stay raw in their input dtype (the matmul operands as loaded). The scan scales V'
+    rather than reading scaled keys Kd = n e^{γ_last-γ} K stored here (r18): 127 µs against 151 at 1x8192
+    without that [T, dk] store, the scan 163 against 157 (bench/results/gdn-split-prep-probe-r1/-r2).
+    Split in two as fla does (the inverse through memory, W and U as [64, 64] x [64, d] products) it took
+    86 + 48 µs at best (1-warp solve); on 1 warp fused, 181 (same probe; code in commit 6d74217)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
     nsub = CHUNK // SUB
     rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
-    ks, inv_norm, betas = _chunk_keys(k_ref, beta_ref, b, h, h // group, rows)
-    gam, last = _chunk_decays(g_ref, gam_ref, b, h, rows)
+    ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
+    inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
+    betas = [beta_ref[b, r, h] for r in rows]
+    gam = []
+    last = jnp.zeros((), f32)  # γ_last once all rows are in
+    for r in rows:
+        g = g_ref[b, r, h]
+        gam.append(jnp.cumsum(g) + last)
+        last = last + jnp.sum(g)
+        gam_ref[b, r, h] = gam[-1]
     inv = _chunk_inverse(ks, inv_norm, betas, gam, dtype)
     w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
@@ -281,41 +278,11 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_re
         kscale_ref[b, rows[i], h] = inv_norm[i] * jnp.exp(last - gam[i])
 
 
-def _solve_kernel(k_ref, g_ref, beta_ref, t_ref, wscale_ref, kscale_ref, gam_ref, *, group, dtype):
-    """Split prep, first half: one (row, value head, chunk)'s γ and (I+A)⁻¹ [CHUNK, CHUNK] (blocks on and
-    below the diagonal; `_wu_kernel` masks the rest), the W column scale β n e^γ and the key scale."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nsub = CHUNK // SUB
-    rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
-    ks, inv_norm, betas = _chunk_keys(k_ref, beta_ref, b, h, h // group, rows)
-    gam, last = _chunk_decays(g_ref, gam_ref, b, h, rows)
-    inv = _chunk_inverse(ks, inv_norm, betas, gam, dtype)
-    for i in range(nsub):
-        for j in range(i + 1):
-            t_ref[b, rows[i], h, pl.ds(j * SUB, SUB)] = inv[i, j].astype(t_ref.dtype)
-        wscale_ref[b, rows[i], h] = betas[i] * inv_norm[i] * jnp.exp(gam[i])
-        kscale_ref[b, rows[i], h] = inv_norm[i] * jnp.exp(last - gam[i])
-
-
-def _wu_kernel(k_ref, v_ref, beta_ref, wscale_ref, t_ref, w_ref, u_ref, *, group, dtype):
-    """Split prep, second half: U = (T ⊙ β)V and W = (T ⊙ βne^γ)K as whole-chunk [CHUNK, CHUNK] x
-    [CHUNK, d] products (Pallas on Triton cannot join [SUB, SUB] blocks into a larger tile in registers,
-    hence the round trip of T through memory)."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(c * CHUNK, CHUNK)
-    r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    t = jnp.where(r // SUB >= cc // SUB, t_ref[b, rows, h, :].astype(f32), 0.0)  # blocks above: never written
-    u_ref[b, rows, h, :] = _dot(t * beta_ref[b, rows, h][None, :], v_ref[b, rows, h, :], dtype).astype(u_ref.dtype)
-    w = _dot(t * wscale_ref[b, rows, h][None, :], k_ref[b, rows, h // group, :], dtype)
-    w_ref[b, rows, h, :] = w.astype(w_ref.dtype)
-
-
-def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype,
-                 scale_keys=False):
+def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the
-    per-token key scale (on the [CHUNK, BV] V' rather than the [CHUNK, dk] keys, which are read raw).
+    per-token key scale, applied to the [CHUNK, BV] V' (scaling the [CHUNK, dk] raw keys instead took 231 µs
+    against 163 at 1x8192: bench/results/gdn-split-prep-probe-r2_gpu_20261202.json).
     Stores each chunk's entering state and V' for the parallel output kernel. Triton's loop pipelining
     loads the next chunks' W, U and K ahead (`gdn_chunked_pallas` picks its depth)."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -328,15 +295,12 @@ def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref
         v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
         g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
-        if scale_keys:
-            kd = k_ref[b, rows, hk, :].astype(f32) * kscale_ref[b, rows, h][:, None]
-            return S * jnp.exp(g_last) + _dot(kd.T, v_new, dtype)
         return S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale_ref[b, rows, h][:, None], dtype)
 
     sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
 
 
-def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None, fold_norms=False):
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
     """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
 
     norm = (eps, dv, z_offset, z_stride) (refs z, weight, out; the block a whole head): the GDN layer's
@@ -351,18 +315,10 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale
     cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     gam = gam_ref[b, rows, h]
     decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
-    if fold_norms:
-        q, k = q_ref[b, rows, hk, :], k_ref[b, rows, hk, :]
-        nq = lax.rsqrt(jnp.sum(jnp.square(q.astype(f32)), axis=-1) + 1e-6) * scale
-        nk = lax.rsqrt(jnp.sum(jnp.square(k.astype(f32)), axis=-1) + 1e-6)
-        intra = _dot(q, k.T, dtype) * (nq[:, None] * nk[None, :]) * decay
-        o = (_dot(q, h_ref[b, n, h, :, cols], dtype) * (nq * jnp.exp(gam))[:, None]
-             + _dot(intra, vn_ref[b, rows, h, cols], dtype))
-    else:
-        q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
-        k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
-        intra = _dot(q, k.T, dtype) * decay
-        o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
+    q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
+    k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
+    intra = _dot(q, k.T, dtype) * decay
+    o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
     o_ref = refs[-1]
     if norm is not None:
         z_ref, w_ref = refs[:2]
@@ -389,8 +345,7 @@ class OutputGate(NamedTuple):
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, split_prep: bool = False, split_warps=(2, 4),
-                       inverse_dtype=None, scale_keys=False, fold_norms=False):
+                       scan_stages: int | None = None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
@@ -419,26 +374,12 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     interpret = interpret_default(interpret)
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
-    if split_prep:
-        t_dtype = inverse_dtype or dtype
-        inv, wscale, kscale, gam = pl.pallas_call(
-            functools.partial(_solve_kernel, group=group, dtype=dtype),
-            out_shape=(sds((B, Tp, Hv, CHUNK), t_dtype), sds((B, Tp, Hv), f32), sds((B, Tp, Hv), f32),
-                       sds((B, Tp, Hv), f32)),
-            grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(split_warps[0]),
-        )(k, g, beta)
-        w, u = pl.pallas_call(
-            functools.partial(_wu_kernel, group=group, dtype=dtype),
-            out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype)),
-            grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(split_warps[1]),
-        )(k, v, beta, wscale, inv)
-    else:
-        w, u, kscale, gam = pl.pallas_call(
-            functools.partial(_prep_kernel, group=group, dtype=dtype),
-            out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv), f32),
-                       sds((B, Tp, Hv), f32)),
-            grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
-        )(k, v, g, beta)
+    w, u, kscale, gam = pl.pallas_call(
+        functools.partial(_prep_kernel, group=group, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv), f32),
+                   sds((B, Tp, Hv), f32)),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
+    )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
     if scan_stages is None:
         # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
@@ -448,7 +389,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, scale_keys=scale_keys),
+        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
     )(w, u, k, kscale, gam, s0)
@@ -469,8 +410,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
         gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
     o = pl.pallas_call(
-        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm,
-                          fold_norms=fold_norms),
+        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
         out_shape=sds((B, Tp, Hv, dvp), out_dtype),
         grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
     )(q, k, gam, h_enter, v_new, *gate_args)

@@ -28,8 +28,9 @@ from pallas_kernels.gdn import gdn_chunked
 f32 = jnp.float32
 
 
-def _prep_kernel_r9(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref, *, group, dtype):
-    """r9's prep kernel, for comparison: normed keys, β·keys and β·values live as fp32 [SUB, dk] lists."""
+def _prep_kernel_r9(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group, dtype):
+    """r9's prep kernel, for comparison: normed keys, β·keys and β·values live as fp32 [SUB, dk] lists (since
+    r19 it stores the scan's key scale instead of r9's scaled keys, as the lean form does)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     nsub = gp.CHUNK // gp.SUB
@@ -69,7 +70,8 @@ def _prep_kernel_r9(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gam_ref
         w = sum(gp._dot(inv[i, j], kb[j] * jnp.exp(gam[j])[:, None], dtype) for j in range(i + 1))
         u_ref[b, rows, h, :] = u.astype(u_ref.dtype)
         w_ref[b, rows, h, :] = w.astype(w_ref.dtype)
-        kd_ref[b, rows, h, :] = (ks[i] * jnp.exp(offset - gam[i])[:, None]).astype(kd_ref.dtype)
+        raw = k_ref[b, rows, hk, :].astype(f32)
+        kscale_ref[b, rows, h] = lax.rsqrt(jnp.sum(raw * raw, axis=-1) + 1e-6) * jnp.exp(offset - gam[i])
 
 
 _LEAN_PREP = gp._prep_kernel
