@@ -1,6 +1,7 @@
 """`bench kernels`: our GDN kernels against fla's Triton kernels (same run, same inputs) and the roofline.
 
-Prefill: `gdn_chunked_pallas` vs fla `chunk_gated_delta_rule` (and our XLA chunked form).
+Prefill: `gdn_chunked_pallas` vs fla `chunk_gated_delta_rule` (and our XLA chunked form), both returning
+o in bf16 (before 2026-12-02 r20 ours stored it in fp32, its default, twice fla's bytes for o).
 Decode / verify: `gdn_recurrent_pallas` (T = 1, and T = 1+K writing a checkpoint per position) vs fla
 `fused_recurrent_gated_delta_rule` (which writes only the final state). Both sides are checked against
 each other before they are timed: a kernel that is fast and wrong is reported as wrong.
@@ -13,6 +14,8 @@ the process may slow later launches) and fla's after all of ours (see torch_kern
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -33,13 +36,14 @@ def _inputs(B, T, H, d, seed=0):
     return q, k, v, g, beta, s0
 
 
-def kernel_bytes(B, T, H, d, checkpoints=False):
-    """Bytes that must move: q, k, v bf16 in, g and beta fp32 in, o fp32 out, state fp32 in and out
-    (and one fp32 state per position for verify checkpoints, which fla's fused recurrent kernel does not
-    write: at B64 T2..4 they make ours 2-3x fla's floor, tables.kernels_table's "floor bytes" column)."""
+def kernel_bytes(B, T, H, d, checkpoints=False, o_bytes=4):
+    """Bytes that must move: q, k, v bf16 in, g and beta fp32 in, o out (o_bytes per value: fp32 for the
+    recurrent kernels, bf16 for chunked prefill, as both sides return it), state fp32 in and out (and one
+    fp32 state per position for verify checkpoints, which fla's fused recurrent kernel does not write: at
+    B64 T2..4 they make ours 2-3x fla's floor, tables.kernels_table's "floor bytes" column)."""
     n = B * T * H
     state = B * H * d * d * 4
-    return n * d * 2 * 3 + n * 8 + n * d * 4 + 2 * state + (B * T * H * d * d * 4 if checkpoints else 0)
+    return n * d * 2 * 3 + n * 8 + n * d * o_bytes + 2 * state + (B * T * H * d * d * 4 if checkpoints else 0)
 
 
 def _rel_err(a, b):
@@ -82,14 +86,15 @@ def bench_kernels(args) -> dict:
         jg, jb, js = (to_jax(x, False) for x in (g, beta, s0))
         row = {"kind": kind, "B": B, "T": T, "H": H, "d": d}
         if kind == "prefill":
-            ours = jax.jit(gdn_chunked_pallas)
+            # o in bf16, as fla's chunk_gated_delta_rule returns it (fp32 o, the default, is twice its store)
+            ours = jax.jit(functools.partial(gdn_chunked_pallas, out_dtype=jnp.bfloat16))
             xla = jax.jit(gdn_chunked)
             o, s = ours(jq, jk, jv, jg, jb, js)
             o_x, s_x = xla(jq, jk, jv, jg, jb, js)
             row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
             row["ours_ms"] = time_jax(ours, jq, jk, jv, jg, jb, js)
             row["xla_chunked_ms"] = time_jax(xla, jq, jk, jv, jg, jb, js)
-            nbytes = kernel_bytes(B, T, H, d)
+            nbytes = kernel_bytes(B, T, H, d, o_bytes=2)
         else:
             keep = T > 1  # verify windows write a checkpoint per position
             ours = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=keep))
