@@ -3,15 +3,15 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe ...]
-#   (default: all but the thirteen extras, in this order; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels ...]
+#   (default: all but the fourteen extras, in this order; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
 #   probe, decode-1step times one decode step per launch, decode-sync the synchronous engine beside the
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
-#   shipped model's spec rows, scan-probes the chunked GDN's scan settings beside fla, mlp-probe the MLP's forms
-#   at 8192 tokens; `python -m jaxgdn.bench table
+#   shipped model's spec rows, scan-probes the chunked GDN scan settings beside fla, mlp-probe the MLP's forms
+#   at 8192 tokens, decode-kernels a decode step's kernels named by their source; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -74,6 +74,9 @@ for step in $steps; do
     # r20: the chunked GDN's scan under launch settings and split state beside fla's kernels; MLP forms at 8192
     scan-probes) timeout 330 python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it
+    decode-kernels) timeout 300 python3 bench/probes/decode_kernels.py "$dest/decode-kernels-probe_gpu_$stamp.json" 1 64 \
+               2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep (gdn_prep.py), the gated norm fused into the output kernel
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
              timeout 250 python3 bench/probes/gdn_prep.py "$dest/gdn-prep-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;

@@ -278,8 +278,7 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_re
         kscale_ref[b, rows[i], h] = inv_norm[i] * jnp.exp(last - gam[i])
 
 
-def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype,
-                 k_split=1):
+def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the
     per-token key scale, applied to the [CHUNK, BV] V' (scaling the [CHUNK, dk] raw keys instead took 231 µs
@@ -290,25 +289,15 @@ def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref
     hk = h // group
     cols = pl.ds(iv * BV, BV)
 
-    dk = w_ref.shape[-1]
-    BK = dk // k_split
-    blocks = [pl.ds(i * BK, BK) for i in range(k_split)]
-
-    def chunk(n, S):  # S: k_split tiles [BK, BV], the state's rows split
+    def chunk(n, S):
         rows = pl.ds(n * CHUNK, CHUNK)
-        for kb, Sb in zip(blocks, S):
-            h_ref[b, n, h, kb, cols] = Sb.astype(h_ref.dtype)
-        v_new = u_ref[b, rows, h, cols].astype(f32)  # [C, BV]
-        for kb, Sb in zip(blocks, S):
-            v_new = v_new - _dot(w_ref[b, rows, h, kb], Sb, dtype)
+        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
+        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
         g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
-        vs = v_new * kscale_ref[b, rows, h][:, None]
-        return tuple(Sb * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, kb].T, vs, dtype) for kb, Sb in zip(blocks, S))
+        return S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale_ref[b, rows, h][:, None], dtype)
 
-    S = lax.fori_loop(0, N, chunk, tuple(s0_ref[b, h, kb, cols].astype(f32) for kb in blocks))
-    for kb, Sb in zip(blocks, S):
-        sT_ref[b, h, kb, cols] = Sb
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -356,11 +345,12 @@ class OutputGate(NamedTuple):
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, out_dtype=None, scan_k_split: int = 1):
+                       scan_stages: int | None = None, out_dtype=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
-    out_dtype: o's dtype (default fp32; fla's `chunk_gated_delta_rule` returns it in the inputs' dtype,
-    which `bench kernels` asks for to compare the same work: the fp32 store is twice the bytes).
+    out_dtype: o's dtype without gate= (default fp32; fla's `chunk_gated_delta_rule` returns it in the
+    inputs' dtype, which `bench kernels` asks for to compare the same work: the fp32 store is twice the
+    bytes). With gate= the output is in z's dtype, as the layer's norm computes it.
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
     layer's gated RMS norm (on whole heads) and returns it in z.dtype instead of o:
@@ -403,7 +393,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, k_split=scan_k_split),
+        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
     )(w, u, k, kscale, gam, s0)
@@ -414,6 +404,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     norm, gate_args = None, ()
     if gate is None:
         out_dtype = out_dtype or f32
+    elif out_dtype is not None:
+        raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
     else:  # the norm reads whole heads: one dv tile
         gate = OutputGate(*gate)
         z, z_offset, z_stride = gate.z, gate.z_offset, dv
@@ -423,7 +415,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
             z = jnp.pad(z[..., z_offset : z_offset + Hv * dv].reshape(B, T, Hv, dv),
                         [(0, 0), (0, pad), (0, 0), (0, dvp - dv)])
             z, z_offset, z_stride = z.reshape(B, Tp, Hv * dvp), 0, dvp
-        BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), out_dtype or z.dtype
+        BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
         gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
     o = pl.pallas_call(
         functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),

@@ -139,6 +139,19 @@ def test_kernels_in_bf16_stay_close_to_fp32_reference():
         assert max_err(s, s_ref) <= 3e-2 * float(jnp.abs(s_ref).max()), fn.__name__
 
 
+def test_chunked_kernel_returns_o_in_the_dtype_asked_for():
+    """out_dtype=bf16 (fla's output dtype, what `bench kernels` compares): the fp32 output rounded once,
+    the state unchanged. The gated norm's output is in z's dtype: out_dtype there is refused."""
+    q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=2, dk=32, dv=32, seed=11)
+    o32, s32 = gdn_chunked_pallas(q, k, v, g, beta, s0)
+    o16, s16 = gdn_chunked_pallas(q, k, v, g, beta, s0, out_dtype=jnp.bfloat16)
+    assert o32.dtype == jnp.float32 and o16.dtype == jnp.bfloat16
+    assert bool(jnp.all(o16 == o32.astype(jnp.bfloat16))) and max_err(s16, s32) == 0.0
+    z = jnp.ones((1, 70, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match="z's dtype"):
+        gdn_chunked_pallas(q, k, v, g, beta, s0, gate=(z, jnp.ones(32), 1e-6), out_dtype=jnp.bfloat16)
+
+
 def test_pallas_impls_are_registered():
     q, k, v, g, beta, s0 = random_inputs(T=5)
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)

@@ -1,6 +1,8 @@
 """Probe: the chunked GDN's chunk-state scan (`_scan_kernel`, the one sequential kernel) under several
-launch settings and with its state split in 64-row halves as fla's h kernel holds it, beside fla 0.6.0's
-kernels in the same process (and fla's autotuned choice for its h kernel). o is bf16 on both sides.
+launch settings, beside fla 0.6.0's kernels in the same process (and fla's autotuned choice for its h
+kernel). o is bf16 on both sides. r20 also timed the state split in 64-row halves as fla's h kernel holds
+it (forms "split2", "bv32-w4-split2", "bv32-w2-split2-s4": gdn_chunked_pallas(scan_k_split=2) in commit
+adb2871, removed since: slower at every shape, bench/results/gdn-scan-configs-probe_gpu_20261202.json).
 
     python bench/probes/gdn_scan_configs.py OUT.json    # on the H200 (PYTHONPATH=.); CPU: correctness only
 
@@ -22,15 +24,12 @@ from pallas_kernels.common import on_gpu
 from pallas_kernels.gdn_pallas import gdn_chunked_pallas
 
 OURS = ("_prep_kernel", "_scan_kernel", "_output_kernel")
-# (scan dv tile or None for the default, scan warps, scan pipeline stages or None, state split in k halves)
+# (scan dv tile or None for the default, scan warps, scan pipeline stages or None for the default)
 FORMS = {
-    "default": (None, 4, None, 1),
-    "split2": (None, 4, None, 2),
-    "bv32-w4": (32, 4, 3, 1),
-    "bv32-w2": (32, 2, 3, 1),
-    "bv16-w2": (16, 2, 3, 1),
-    "bv32-w4-split2": (32, 4, 3, 2),
-    "bv32-w2-split2-s4": (32, 2, 4, 2),
+    "default": (None, 4, None),
+    "bv32-w4": (32, 4, 3),
+    "bv32-w2": (32, 2, 3),
+    "bv16-w2": (16, 2, 3),
 }
 
 
@@ -48,9 +47,9 @@ def main(out_path=None):
     for B, T in shapes:
         inputs[B, T] = x = random_gdn_inputs(B, T, H, d)
         ref = None
-        for form, (bv, warps, stages, split) in FORMS.items():
+        for form, (bv, warps, stages) in FORMS.items():
             f = jax.jit(functools.partial(gdn_chunked_pallas, out_dtype=jnp.bfloat16, block_v=bv, warps=(2, warps, 4),
-                                          scan_stages=stages, scan_k_split=split))
+                                          scan_stages=stages))
 
             def measure(f=f):
                 nonlocal ref
