@@ -71,7 +71,7 @@ for step in $steps; do
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # r20: the chunked GDN's scan under launch settings and split state beside fla's kernels; MLP forms at 8192
+    # r20: the chunked GDN's scan under launch settings beside fla's kernels; MLP forms at 8192 tokens
     scan-probes) timeout 330 python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it

@@ -9,8 +9,8 @@ For each batch: the engine on the 0.8B config (random bf16 weights, 64-token pro
 launches are plain decode launches (4 steps each on a GPU), the last launch is replayed under the profiler,
 and each kernel of the trace is joined with the instruction of the compiled step (optimized HLO) it ran:
 its JAX op name and source line. Rows: kernel, µs and launches per model step, op name, source, the
-innermost frames of its call stack; then the
-same time summed by source line. On CPU it runs the shipped tiny model, as a check that the join works.
+innermost frames of its call stack; then the same time summed by source line. On CPU it runs the shipped
+tiny model, as a check that the join works.
 """
 
 import collections
@@ -32,6 +32,11 @@ from pallas_kernels.common import on_gpu
 # name = ... metadata={op_name="..." source_file="..." source_line=N ...}: one instruction of the HLO text
 INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}', re.M)
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def _kernel_name(name: str) -> str:
+    """An HLO instruction name as XLA names its kernel ('.' and '-' as '_')."""
+    return re.sub(r"[.\-]", "_", name)
 
 
 def _table(hlo_text: str, title: str) -> dict[int, str]:
@@ -101,7 +106,7 @@ def hlo_sources(hlo_text: str) -> dict[str, dict]:
     for name in set(own) | set(calls):
         meta = own.get(name) or comp_root.get(calls.get(name)) or comp_meta.get(calls.get(name))
         if meta:
-            out[re.sub(r"[.\-]", "_", name)] = describe(meta)
+            out[_kernel_name(name)] = describe(meta)
     return out
 
 
@@ -116,7 +121,7 @@ def kernel_table(trace_dir: str, per: int, sources: dict) -> tuple[list, list]:
             count[e["name"]] += 1
             op = (e.get("args") or {}).get("hlo_op")
             if op:
-                hlo[e["name"]] = re.sub(r"[.\-]", "_", op)
+                hlo[e["name"]] = _kernel_name(op)
     rows = [[name, round(total / per, 2), round(count[name] / per, 2)] for name, total in us.most_common()]
     return annotate(rows, sources, hlo)
 
@@ -128,7 +133,7 @@ def annotate(rows: list, sources: dict, hlo_ops: dict | None = None) -> tuple[li
     share one kernel, named after the first). Also the time summed by source line."""
     out, by_source = [], collections.Counter()
     for name, us, launches, *_ in rows:
-        keys = [k for k in ((hlo_ops or {}).get(name), re.sub(r"[.\-]", "_", name)) if k]
+        keys = [k for k in ((hlo_ops or {}).get(name), _kernel_name(name)) if k]
         src = next((sources[k] for k in keys if k in sources), {})
         out.append([name, us, launches, src.get("op_name", ""), src.get("source", ""), src.get("stack", [])])
         by_source[src.get("source", "?")] += us
