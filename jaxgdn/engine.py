@@ -19,7 +19,7 @@ from .cache import init_engine_state, resolve_num_kv_pages
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from .input_batch import build_step
-from .params import ModelParams, fuse_projections
+from .params import ModelParams, serving_layout
 from .pd import export_handoff, import_handoff
 from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind,
                       SamplingParams)
@@ -45,7 +45,8 @@ class LLMEngine:
             enable_compilation_cache()
         self.scheduler = Scheduler(ecfg, num_pages)
         state = init_engine_state(cfg, ecfg, num_pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage_seed)
-        params = fuse_projections(params)  # a copy of the weights unless the caller passed fused ones (LLM does)
+        # a copy of the weights unless the caller passed them in this layout (LLM does)
+        params = serving_layout(params, ecfg.fold_norms)
         if device is not None:
             params, state = jax.device_put((params, state), device)
         self.device = device

@@ -46,6 +46,10 @@ class EngineConfig:
       H200 it cut a 0.8B decode step from 3.26 to 1.94 ms at batch 1 (bench/results/
       decode-r3-resident_gpu_20261130.json and decode-async_gpu_20261130.json), and a 0.8B verify step at
       batch 32 from 3.07 / 3.50 / 4.23 ms to 2.11 / 2.69 / 3.10 ms at K = 1 / 2 / 3 (spec-r13 vs spec-r16).
+    fold_norms: serve with each decoder layer's RMSNorm weights folded into the projections that read them
+      (`params.fold_norms`): at decode sizes the norms then run no kernels of their own. Same math; the
+      rounding differs at the weight dtype's precision. False serves the loaded weights' values exactly
+      (only concatenated, `params.fuse_projections`).
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
       waiting request could start and either every row is a plain decode with room for them (with async
       scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
@@ -75,6 +79,7 @@ class EngineConfig:
     compilation_cache: bool = True
     async_scheduling: bool | None = None
     decode_steps_per_launch: int | None = None
+    fold_norms: bool = True
 
     def __post_init__(self):
         checks = [

@@ -13,7 +13,7 @@ from .checkpoint import load_checkpoint
 from .config import PRESETS
 from .engine import LLMEngine
 from .engine_config import EngineConfig
-from .params import fuse_projections, init_random_params
+from .params import init_random_params, serving_layout
 from .pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
 from .request import RequestOutput, SamplingParams
 from .tokenizer import load_tokenizer
@@ -38,7 +38,8 @@ class LLM:
         else:
             self.model_config, params = load_checkpoint(model, dtype=dtype)
             self.tokenizer = load_tokenizer(model)
-        params = fuse_projections(params)  # one serving copy for both PD workers; the loaded layout is dropped
+        # one serving copy for both PD workers; the loaded layout is dropped
+        params = serving_layout(params, self.config.fold_norms)
         decode = self.tokenizer.decode if self.tokenizer else None
         self.handoff_transport = handoff_transport
         if self.config.pd:

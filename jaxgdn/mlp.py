@@ -4,11 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .norms import DeferredNorm
 from .params import FUSED_PROJECTIONS
 
 
 def linear(x, w):
-    """x: [..., in], w: [out, in] (Hugging Face layout) -> [..., out]."""
+    """x: [..., in] (or a DeferredNorm standing for it), w: [out, in] (Hugging Face layout) -> [..., out]."""
+    if isinstance(x, DeferredNorm):
+        return x.product(w)
     return jnp.einsum("...i,oi->...o", x, w)
 
 

@@ -15,7 +15,7 @@ from .attention import attention_layer
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_layer
 from .mlp import linear, mlp
-from .norms import rms_norm_1p
+from .norms import pre_norm, rms_norm_1p
 from .params import DecoderLayerParams, ModelParams
 from .state import ModelCache
 
@@ -23,12 +23,13 @@ from .state import ModelCache
 def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable):
     """Pre-norm residual block: x + mixer(norm(x)), then + MLP(norm(.)).
 
-    mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools).
+    mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools); h is
+    the normed x, a DeferredNorm where the norm's weight is folded into the projections (`pre_norm`).
     Returns (x, new_state).
     """
-    h, new_state = mixer(rms_norm_1p(x, p.input_layernorm, cfg.rms_norm_eps))
+    h, new_state = mixer(pre_norm(x, p.input_layernorm, cfg.rms_norm_eps))
     x = x + h
-    x = x + mlp(p.mlp, rms_norm_1p(x, p.post_attention_layernorm, cfg.rms_norm_eps))
+    x = x + mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, cfg.rms_norm_eps))
     return x, new_state
 
 

@@ -1,7 +1,22 @@
 """RMSNorm flavours of Qwen3.5 (reference §3, §6.6). All statistics in fp32."""
 
+from __future__ import annotations
+
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from .pytree import pytree_dataclass
+
+# A product reading a DeferredNorm of at most this many tokens scales its output rows by 1/rms: the scale
+# joins the GEMV's kernel or its consumer's, and the norm runs no scale-and-cast kernel of its own. Larger
+# ones scale their input rows first, as a plain RMSNorm does (the folded weight still saves the multiply by
+# 1 + w). On the H200 (bench/results/decode-fold{1,16,128}-*_gpu_20261202.json, 0.8B decode, device ms a
+# step) post-scaling took batch 1 from 0.902-0.910 to 0.875-0.889, but batch 8 from 1.125-1.158 to
+# 1.145-1.159 and batch 64 from 1.997 to 2.003-2.022, where the products are GEMMs; at prefill sizes a
+# product's output is several times wider than its input and a Pallas kernel (the GDN conv) reads it.
+POST_SCALE_MAX_TOKENS = 1
 
 
 def upcast(x):
@@ -9,14 +24,60 @@ def upcast(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def inverse_rms(x, eps: float):
+    """x: [..., N] -> 1/sqrt(mean(x^2) + eps) [..., 1], in fp32 (or wider)."""
+    x32 = upcast(x)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm_1p(x, weight, eps: float):
     """Zero-centred RMSNorm: x/rms(x) * (1 + w), computed in fp32, cast back to x.dtype after the multiply.
 
     x: [..., N]; weight: [N] stored as the offset w (effective scale 1 + w).
     """
-    x32 = upcast(x)
-    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (n * (1.0 + upcast(weight))).astype(x.dtype)
+    return (upcast(x) * inverse_rms(x, eps) * (1.0 + upcast(weight))).astype(x.dtype)
+
+
+def pre_norm(x, weight, eps: float):
+    """A decoder layer's input or post-attention norm: rms_norm_1p(x, weight), or with weight None (its
+    1 + w folded into the products that read it, `params.fold_norms`) a DeferredNorm of x."""
+    return DeferredNorm(x, inverse_rms(x, eps)) if weight is None else rms_norm_1p(x, weight, eps)
+
+
+@pytree_dataclass
+class DeferredNorm:
+    """The activation x / rms(x) kept as its two factors, for products whose weights hold the norm's 1 + w
+    (`params.fold_norms`): `product` applies the per-token 1/rms before or after the product by size
+    (POST_SCALE_MAX_TOKENS). At decode sizes an RMSNorm was two kernels of ~1.5 us in front of every GEMV
+    (a sum of squares, then a scale and cast that XLA does not fuse into the GEMV, whose reduction would
+    recompute it per output), about 100 kernels of a 0.8B step (bench/results/decode-kernels-probe_gpu_20261202.json).
+
+    Shape-wise it stands for x: `shape`, `dtype` and `reshape` are x's; jax.tree.map indexes both factors.
+    """
+
+    x: Any  # [..., H] the residual stream (activation dtype)
+    inv_rms: Any  # [..., 1] fp32
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    def reshape(self, *shape):
+        return DeferredNorm(self.x.reshape(*shape), self.inv_rms.reshape(*shape[:-1], 1))
+
+    def product(self, w):
+        """(x / rms(x)) @ w.T for w [out, H] (Hugging Face layout) -> [..., out] in x.dtype."""
+        tokens = self.x.size // self.x.shape[-1]
+        if tokens <= POST_SCALE_MAX_TOKENS:
+            wide = jnp.promote_types(self.x.dtype, jnp.float32)
+            y = jnp.einsum("...i,oi->...o", self.x, w, preferred_element_type=wide)
+            return (y * self.inv_rms).astype(self.x.dtype)
+        scaled = (upcast(self.x) * self.inv_rms).astype(self.x.dtype)
+        return jnp.einsum("...i,oi->...o", scaled, w)
 
 
 def gated_rms_norm(o, z, weight, eps: float, out_dtype):

@@ -228,10 +228,14 @@ def _row_maps(view: RowView, num_tokens: int, token_cell):
     R*Q for none, whose tokens come back as zeros)."""
     R, Q = view.token_index.shape
     if token_cell is None:
-        return (lambda x: x.reshape(R, Q, *x.shape[1:]), lambda y: y.reshape(R * Q, *y.shape[2:]))
-    cell = jnp.clip(view.token_index, 0, num_tokens - 1)
-    return (lambda x: x[cell],
-            lambda y: jnp.take(y.reshape(R * Q, *y.shape[2:]), token_cell, axis=0, mode="fill", fill_value=0))
+        to_rows = lambda a: a.reshape(R, Q, *a.shape[1:])  # noqa: E731
+        to_flat = lambda y: y.reshape(R * Q, *y.shape[2:])  # noqa: E731
+    else:
+        cell = jnp.clip(view.token_index, 0, num_tokens - 1)
+        to_rows = lambda a: a[cell]  # noqa: E731
+        to_flat = lambda y: jnp.take(y.reshape(R * Q, *y.shape[2:]), token_cell, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    # to_rows maps every array of its input: a normed activation may be a DeferredNorm (x and its 1/rms).
+    return (lambda x: jax.tree_util.tree_map(to_rows, x)), to_flat
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "whole_prompts"))

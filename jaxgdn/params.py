@@ -59,8 +59,8 @@ class MLPParams:
 
 @pytree_dataclass
 class DecoderLayerParams:
-    input_layernorm: Array  # [H] (1+w)
-    post_attention_layernorm: Array  # [H] (1+w)
+    input_layernorm: Array | None  # [H] (1+w); None when folded into the projections (fold_norms)
+    post_attention_layernorm: Array | None  # [H] (1+w); None when folded into the MLP's (fold_norms)
     mixer: Any  # AttentionParams or GDNParams
     mlp: MLPParams
 
@@ -115,6 +115,37 @@ def fuse_projections(params: ModelParams) -> ModelParams:
     if mtp is not None:
         mtp = dataclasses.replace(mtp, layers=tuple(map(fuse_layer, mtp.layers)))
     return dataclasses.replace(params, layers=tuple(map(fuse_layer, params.layers)), mtp=mtp)
+
+
+def fold_norms(params: ModelParams) -> ModelParams:
+    """The serving layout with every decoder layer's (trunk and MTP) input and post-attention RMSNorm
+    weight 1 + w folded into the columns of the fused projection that reads it, the norm weights set to
+    None: the layer then hands its products a `norms.DeferredNorm` (x and its 1/rms), and a single-token
+    step applies 1/rms after the product, with no scale-and-cast kernel in front of it. Fuses first (`fuse_projections`); idempotent. The folded weight is
+    rounded once to the weight dtype, where the unfolded form rounds the normed activation instead."""
+    params = fuse_projections(params)
+
+    def fold(p, norm):
+        wide = jnp.promote_types(p.fused.dtype, jnp.float32)
+        scale = 1.0 + norm.astype(wide)
+        return dataclasses.replace(p, fused=(p.fused.astype(wide) * scale).astype(p.fused.dtype))
+
+    def fold_layer(layer: DecoderLayerParams) -> DecoderLayerParams:
+        if layer.input_layernorm is None:
+            return layer
+        return dataclasses.replace(layer, input_layernorm=None, post_attention_layernorm=None,
+                                   mixer=fold(layer.mixer, layer.input_layernorm),
+                                   mlp=fold(layer.mlp, layer.post_attention_layernorm))
+
+    mtp = params.mtp
+    if mtp is not None:
+        mtp = dataclasses.replace(mtp, layers=tuple(map(fold_layer, mtp.layers)))
+    return dataclasses.replace(params, layers=tuple(map(fold_layer, params.layers)), mtp=mtp)
+
+
+def serving_layout(params: ModelParams, fold: bool = True) -> ModelParams:
+    """The weights an engine serves: fold_norms(params), or fuse_projections(params) with fold=False."""
+    return fold_norms(params) if fold else fuse_projections(params)
 
 
 # ------------------------------------------------------------------------------------- name <-> shape

@@ -103,3 +103,50 @@ def test_fused_projections_serve_the_same_logits():
     ids = random_ids(CFG, 2, 9, seed=5)
     diff = np.abs(np.asarray(FWD(fused, CFG, ids)[0]) - full_logits(ids)).max()
     assert diff <= 2e-3, diff
+
+
+@pytest.mark.parametrize("tokens", [1, 200])  # 1/rms after the product (a batch-1 decode step) and before it
+def test_folded_norm_product_equals_norm_then_product(tokens):
+    """A DeferredNorm's product with the (1 + w)-folded weight is the RMSNorm's output times the weight."""
+    from jaxgdn.mlp import linear
+    from jaxgdn.norms import POST_SCALE_MAX_TOKENS, DeferredNorm, inverse_rms, rms_norm_1p
+
+    assert (tokens <= POST_SCALE_MAX_TOKENS) == (tokens == 1)
+    kx, kw, kn = jax.random.split(jax.random.PRNGKey(tokens), 3)
+    x = 3.0 * jax.random.normal(kx, (tokens, 48))
+    w = jax.random.normal(kw, (40, 48))
+    norm = 0.3 * jax.random.normal(kn, (48,))
+    want = linear(rms_norm_1p(x, norm, 1e-6), w)
+    got = linear(DeferredNorm(x, inverse_rms(x, 1e-6)), w * (1.0 + norm))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # the [R, Q] view of the engine's rows reshapes both factors
+    rows = DeferredNorm(x, inverse_rms(x, 1e-6)).reshape(1, tokens, 48)
+    assert rows.shape == (1, tokens, 48) and rows.inv_rms.shape == (1, tokens, 1)
+
+
+def test_folded_norms_serve_the_same_logits():
+    """fold_norms: every decoder layer's (trunk and MTP) input and post-attention norm weight moves into
+    the fused projections, none is left, folding twice changes nothing, and the logits are those of the
+    loaded weights, with 1/rms applied after the products and before them (POST_SCALE_MAX_TOKENS set
+    above and below this step's 18 tokens)."""
+    from jaxgdn import norms
+    from jaxgdn.params import fold_norms
+
+    assert PARAMS.mtp is not None
+    folded = fold_norms(PARAMS)
+    for layer in folded.layers + folded.mtp.layers:
+        assert layer.input_layernorm is None and layer.post_attention_layernorm is None
+        assert layer.mixer.fused is not None and layer.mlp.fused is not None
+    assert fold_norms(folded).layers[0].mlp.fused is folded.layers[0].mlp.fused
+    ids = random_ids(CFG, 2, 9, seed=5)
+    ref = full_logits(ids)
+    logits = {}
+    for limit in (0, 18):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(norms, "POST_SCALE_MAX_TOKENS", limit)
+            logits[limit] = np.asarray(jax.jit(lambda p, i: forward(p, CFG, i))(folded, ids)[0])  # a new trace
+    pre, post = logits[0], logits[18]
+    # the chaotic random model again (see above): fp32 rounding of the folded weights shows up at ~1e-5
+    for got in (post, pre):
+        assert np.abs(got - ref).max() <= 2e-3, np.abs(got - ref).max()
+    assert not np.array_equal(post, pre)  # the two forms did run

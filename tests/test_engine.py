@@ -52,10 +52,11 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
         assert eng.runner.num_compiled_shapes <= 12
 
 
-@pytest.mark.parametrize("n_requests", [1, 3])
-def test_low_concurrency_and_pallas_input_kernel(n_requests):
+@pytest.mark.parametrize("n_requests, fold_norms", [(1, False), (3, True)])  # the norms unfolded too
+def test_low_concurrency_and_pallas_input_kernel(n_requests, fold_norms):
     prompts = [prompt(50 + i, LENGTHS[(3 * i + 4) % len(LENGTHS)]) for i in range(n_requests)]
-    eng = engine(input_impl="pallas", max_num_batched_tokens=512)
+    eng = engine(input_impl="pallas", max_num_batched_tokens=512, fold_norms=fold_norms)
+    assert (eng.runner.params.layers[0].input_layernorm is None) == fold_norms
     rids = run_staggered(eng, prompts, n_requests, GREEDY)
     assert [eng.output(r).token_ids for r in rids] == [reference(p, 5) for p in prompts]
 

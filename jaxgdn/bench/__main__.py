@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument("--no-peer", action="store_true", help="skip transformers")
         m.add_argument("--gdn-impl", default="auto", help="EngineConfig.gdn_impl (auto, pallas_pool, chunked, ...)")
         m.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"], help="EngineConfig.attention_impl")
+        m.add_argument("--fold-norms", default="on", choices=["on", "off"],
+                       help="EngineConfig.fold_norms: RMSNorm weights folded into the projections that read them")
         m.add_argument("--profile", default=None, metavar="DIR",
                        help="also trace steps per shape into DIR (decode: real engine steps and replayed device "
                             "steps; prefill: replayed steps) and put their top kernels and host events in the JSON")

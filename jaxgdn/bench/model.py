@@ -84,7 +84,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
                         attention_impl: str = "xla", async_scheduling: bool | None = None,
-                        decode_steps_per_launch: int | None = None):
+                        decode_steps_per_launch: int | None = None, fold_norms: bool = True):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
     memory fraction), bf16, K MTP drafts."""
     from ..engine_config import EngineConfig
@@ -94,7 +94,7 @@ def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: 
     return EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
                         gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling,
-                        decode_steps_per_launch=decode_steps_per_launch)
+                        decode_steps_per_launch=decode_steps_per_launch, fold_norms=fold_norms)
 
 
 def make_engine(params, cfg, **config):
@@ -106,7 +106,8 @@ def make_engine(params, cfg, **config):
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "xla",
-                     async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None) -> dict:
+                     async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None,
+                     fold_norms: bool = True) -> dict:
     """Wall time per decode step of the engine in steady state: the engine.step() calls after the prompt
     call and `warm` compile/warm-up launches (and 2 calls after any later compile), summed, over the tokens
     per row whose results they brought back. `steps` is rounded up to whole launches (a launch may run
@@ -134,7 +135,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     warm_after_compile, max_reopens = 2, 2
     config = dict(batch=batch, max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
                   attention_impl=attention_impl, async_scheduling=async_scheduling,
-                  decode_steps_per_launch=decode_steps_per_launch)
+                  decode_steps_per_launch=decode_steps_per_launch, fold_norms=fold_norms)
     per_launch = bench_engine_config(max_model_len=prompt_len + 1, **config).resolved_decode_steps(
         jax.default_backend())
     traced_launches = 5 if profile_dir else 0
@@ -222,7 +223,8 @@ def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
 
 
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gdn_impl: str = "auto",
-                      attention_impl: str = "xla", profile_dir: str | None = None) -> tuple[float, dict, dict | None]:
+                      attention_impl: str = "xla", profile_dir: str | None = None,
+                      fold_norms: bool = True) -> tuple[float, dict, dict | None]:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
     that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
     replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with
@@ -232,7 +234,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
-                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False)
+                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False, fold_norms=fold_norms)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs, phases = [], collections.defaultdict(list)
@@ -362,7 +364,8 @@ def bench_decode(args) -> dict:
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
                              profile_dir=profile, attention_impl=args.attention_impl,
                              async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
-                             decode_steps_per_launch=args.decode_steps_per_launch)
+                             decode_steps_per_launch=args.decode_steps_per_launch,
+                             fold_norms=args.fold_norms == "on")
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
@@ -389,7 +392,7 @@ PREFILL_TIMING = "median wall time of one engine step running whole prompts (hos
 
 def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
     return {"benchmark": name, "model": _model_label(args.model), "gdn_impl": args.gdn_impl,
-            "attention_impl": args.attention_impl, **sizes, **extra,
+            "attention_impl": args.attention_impl, "fold_norms": args.fold_norms, **sizes, **extra,
             "rows": rows}
 
 
@@ -405,7 +408,8 @@ def bench_prefill(args) -> dict:
     for batch, length in args.shapes:
         profile = os.path.join(args.profile, f"{batch}x{length}") if args.profile else None
         ms, split, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
-                                               attention_impl=args.attention_impl, profile_dir=profile)
+                                               attention_impl=args.attention_impl, profile_dir=profile,
+                                               fold_norms=args.fold_norms == "on")
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
                "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3, **split}
