@@ -61,6 +61,10 @@ def parse_args(argv=None):
                    help="run N model steps per device launch when every request is decoding: decode steps "
                         "(async scheduling) or MTP verify steps (not --pd); same outputs, the host's per-step "
                         "cost is paid once per launch. Default: 4 on a GPU, 1 elsewhere")
+    e.add_argument("--no-fold-norms", action="store_true",
+                   help="serve the loaded weights' values exactly: keep each layer's RMSNorm weight apart instead "
+                        "of folding it into the projections that read it (the default; same math, rounding at "
+                        "the weight dtype's precision; one kernel fewer per norm in a single-token step)")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
             enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
             pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
-            decode_steps_per_launch=args.decode_steps_per_launch,
+            decode_steps_per_launch=args.decode_steps_per_launch, fold_norms=not args.no_fold_norms,
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

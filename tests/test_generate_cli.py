@@ -8,8 +8,14 @@ from jaxgdn.checkpoint import save_checkpoint
 from jaxgdn.params import init_random_params
 
 
-@pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"], ["--async-scheduling", "off"]])
-def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
+@pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"],
+                                   ["--async-scheduling", "off", "--no-fold-norms"]])
+def test_cli_generates_greedy_tokens(tmp_path, capsys, monkeypatch, flags):
+    from jaxgdn import llm
+
+    folds = []  # the fold argument of every serving layout the CLI's LLM built
+    layout = llm.serving_layout
+    monkeypatch.setattr(llm, "serving_layout", lambda params, fold: folds.append(fold) or layout(params, fold))
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=2)
     save_checkpoint(tmp_path / "ck", cfg, params)
@@ -20,6 +26,7 @@ def test_cli_generates_greedy_tokens(tmp_path, capsys, flags):
     line = [ln for ln in out.splitlines() if ln.startswith("ids [")][0]
     got = [int(x) for x in line[len("ids ["):-1].split(",")]
     assert got == naive_greedy(params, cfg, [5, 6, 7], 4)
+    assert folds == [("--no-fold-norms" not in flags)]
     if "--pd" in flags:
         assert "MTP K=2" in out and "PD:" in out
 
