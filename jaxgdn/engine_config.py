@@ -47,9 +47,11 @@ class EngineConfig:
       decode-r3-resident_gpu_20261130.json and decode-async_gpu_20261130.json), and a 0.8B verify step at
       batch 32 from 3.07 / 3.50 / 4.23 ms to 2.11 / 2.69 / 3.10 ms at K = 1 / 2 / 3 (spec-r13 vs spec-r16).
     fold_norms: serve with each decoder layer's RMSNorm weights folded into the projections that read them
-      (`params.fold_norms`): at decode sizes the norms then run no kernels of their own. Same math; the
-      rounding differs at the weight dtype's precision. False serves the loaded weights' values exactly
-      (only concatenated, `params.fuse_projections`).
+      (`params.fold_norms`): a single-token step then applies each norm's 1/rms after the product and runs
+      one kernel per norm (the sum of squares) instead of two; the H200's batch-1 0.8B decode step went from
+      0.906 to 0.875-0.882 ms (bench/results/decode-fold1-*_gpu_20261202.json). Same math; the rounding
+      differs at the weight dtype's precision. False serves the loaded weights' values exactly (only
+      concatenated, `params.fuse_projections`).
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
       waiting request could start and either every row is a plain decode with room for them (with async
       scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
