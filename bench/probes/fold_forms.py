@@ -1,0 +1,74 @@
+"""Probe: forms of the folded RMSNorm's product in a single-token decode step (r21 follow-up, not yet run).
+
+    python bench/probes/fold_forms.py FORM OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); default 1 8
+
+One form per process: the layer's jit keeps its first trace, so a form patched in later would not run.
+FORM is one of
+    unfolded   EngineConfig.fold_norms=False (the plain RMSNorm: sum of squares, then scale and cast)
+    folded     the default (`norms.DeferredNorm.product`: 1/rms after the product for one token)
+    barrier    folded, with `lax.optimization_barrier` on x before the product: in the r21 compiled step
+               (bench/results/decode-kernels-fold-probe_gpu_20261202.json.hlo-b1.txt.gz, fused_reduce.207)
+               XLA fuses the residual adds that produce x into each GEMV's reduction, and the GEMVs ran
+               0.3-1 us slower than with the plain norm in front
+    bf16-out   folded, the product in x's dtype (no fp32 output), then scaled
+Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
+tiny model on CPU, as a check that the forms run) and writes one JSON row per batch.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxgdn import norms
+from jaxgdn.bench.common import environment
+from jaxgdn.bench.model import engine_decode_ms, load_model
+from pallas_kernels.common import on_gpu
+
+FORMS = ("unfolded", "folded", "barrier", "bf16-out")
+
+
+def _product_form(form: str):
+    """A replacement for DeferredNorm.product, or None for the engine's own."""
+    plain = norms.DeferredNorm.product
+
+    def product(self, w):
+        if self.x.size // self.x.shape[-1] > norms.POST_SCALE_MAX_TOKENS:
+            return plain(self, w)
+        if form == "barrier":
+            x = jax.lax.optimization_barrier(self.x)
+            y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+        else:  # bf16-out
+            y = norms.upcast(jnp.einsum("...i,oi->...o", self.x, w))
+        return (y * self.inv_rms).astype(self.x.dtype)
+
+    return product if form in ("barrier", "bf16-out") else None
+
+
+def main(form: str, out_path: str | None, batches=(1, 8)):
+    if form not in FORMS:
+        raise SystemExit(f"FORM must be one of {', '.join(FORMS)}")
+    patched = _product_form(form)
+    if patched is not None:
+        norms.DeferredNorm.product = patched
+    gpu = on_gpu()
+    params, cfg = load_model("qwen3.5-0.8b" if gpu else "checkpoints/qwen35-tiny-arith")
+    result = {"benchmark": "fold-forms-probe", "form": form, "rows": [], "env": environment(),
+              "timing": "engine_decode_ms: wall ms per decode step in steady state; device_ms_per_step the "
+                        "launch replayed without the host"}
+    for batch in batches:
+        r = engine_decode_ms(params, cfg, batch, 64, 32 if gpu else 4, fold_norms=form != "unfolded")
+        result["rows"].append({"batch": batch, "ms_per_step": r["ms_per_step"],
+                               "device_ms_per_step": r["device_ms_per_step"]})
+        print(f"{form:9s} batch {batch:3d}: {r['ms_per_step']:.3f} ms/step (device {r['device_ms_per_step']:.3f})",
+              flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None, tuple(int(b) for b in sys.argv[3:]) or (1, 8))
