@@ -14,7 +14,7 @@ from .pytree import pytree_dataclass
 # ones scale their input rows first, as a plain RMSNorm does (the folded weight still saves the multiply by
 # 1 + w). On the H200 (bench/results/decode-fold{1,16,128}-*_gpu_20261202.json, 0.8B decode, device ms a
 # step) post-scaling took batch 1 from 0.902-0.910 to 0.875-0.889, but batch 8 from 1.125-1.158 to
-# 1.145-1.159 and batch 64 from 1.997 to 2.003-2.022, where the products are GEMMs; at prefill sizes a
+# 1.145-1.159 and batch 64 from 1.997 to 2.020-2.022, where the products are GEMMs; at prefill sizes a
 # product's output is several times wider than its input and a Pallas kernel (the GDN conv) reads it.
 POST_SCALE_MAX_TOKENS = 1
 
