@@ -87,8 +87,8 @@ for step in $steps; do
                timeout 150 python3 -m jaxgdn.bench "$bench" --no-peer $extra --fold-norms "$f" \
                  --out "$dest/$bench-fold$t-$f-$i""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
-    # the folded norm's product forms at batches 1 and 8, one process each (bench/probes/fold_forms.py)
-    fold-forms) for form in folded barrier unfolded bf16-out folded; do
+    # the folded norm's product forms at batches 1 and 8, one process each (bench/probes/fold_forms.py); FORMS picks them
+    fold-forms) for form in ${FORMS:-folded no-barrier unfolded bf16-out folded}; do
                timeout 110 python3 bench/probes/fold_forms.py $form "$dest/fold-forms-$form-probe_gpu_$stamp.json" 1 8 \
                  2>&1 | grep -v Warning
              done ;;

@@ -1,16 +1,19 @@
-"""Probe: forms of the folded RMSNorm's product in a single-token decode step (r21 follow-up, not yet run).
+"""Probe: forms of the folded RMSNorm's product in a single-token decode step.
 
     python bench/probes/fold_forms.py FORM OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); default 1 8
 
 One form per process: the layer's jit keeps its first trace, so a form patched in later would not run.
 FORM is one of
     unfolded   EngineConfig.fold_norms=False (the plain RMSNorm: sum of squares, then scale and cast)
-    folded     the default (`norms.DeferredNorm.product`: 1/rms after the product for one token)
-    barrier    folded, with `lax.optimization_barrier` on x before the product: in the r21 compiled step
+    folded     the default (`norms.DeferredNorm.product`: 1/rms after the product for one token, with
+               `lax.optimization_barrier` on x before the product since r22)
+    no-barrier r21's folded form, without the barrier: in the r21 compiled step
                (bench/results/decode-kernels-fold-probe_gpu_20261202.json.hlo-b1.txt.gz, fused_reduce.207)
                XLA fuses the residual adds that produce x into each GEMV's reduction, and the GEMVs ran
                0.3-1 us slower than with the plain norm in front
     bf16-out   folded, the product in x's dtype (no fp32 output), then scaled
+Run on 2026-12-02 (r22) before the barrier was the default, as "barrier" (now "folded"), "folded" (now
+"no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
 tiny model on CPU, as a check that the forms run) and writes one JSON row per batch.
 """
@@ -26,7 +29,7 @@ from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import engine_decode_ms, load_model
 from pallas_kernels.common import on_gpu
 
-FORMS = ("unfolded", "folded", "barrier", "bf16-out")
+FORMS = ("unfolded", "folded", "no-barrier", "bf16-out")
 
 
 def _product_form(form: str):
@@ -36,14 +39,14 @@ def _product_form(form: str):
     def product(self, w):
         if self.x.size // self.x.shape[-1] > norms.POST_SCALE_MAX_TOKENS:
             return plain(self, w)
-        if form == "barrier":
-            x = jax.lax.optimization_barrier(self.x)
+        x = self.x if form == "no-barrier" else jax.lax.optimization_barrier(self.x)
+        if form == "no-barrier":
             y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
         else:  # bf16-out
-            y = norms.upcast(jnp.einsum("...i,oi->...o", self.x, w))
+            y = norms.upcast(jnp.einsum("...i,oi->...o", x, w))
         return (y * self.inv_rms).astype(self.x.dtype)
 
-    return product if form in ("barrier", "bf16-out") else None
+    return product if form in ("no-barrier", "bf16-out") else None
 
 
 def main(form: str, out_path: str | None, batches=(1, 8)):
