@@ -15,6 +15,14 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w)
 
 
+def linear_parts(x, w):
+    """`linear(x, w)` as (y, row_scale): for a post-scaled DeferredNorm y fp32 and its 1/rms [..., 1], whose
+    product in x's dtype is the consumer's to form (`DeferredNorm.product_parts`); else (linear(x, w), None)."""
+    if isinstance(x, DeferredNorm):
+        return x.product_parts(w)
+    return linear(x, w), None
+
+
 def project(x, p, sizes: tuple[int, ...]):
     """The layer's same-input projections (`params.FUSED_PROJECTIONS[type(p)]`, in that order) of x, as a
     tuple. With p.fused (those weights concatenated along their output axis, `params.fuse_projections`)

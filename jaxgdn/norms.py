@@ -69,8 +69,10 @@ class DeferredNorm:
     def reshape(self, *shape):
         return DeferredNorm(self.x.reshape(*shape), self.inv_rms.reshape(*shape[:-1], 1))
 
-    def product(self, w):
-        """(x / rms(x)) @ w.T for w [out, H] (Hugging Face layout) -> [..., out] in x.dtype."""
+    def product_parts(self, w):
+        """(x / rms(x)) @ w.T for w [out, H] as (y, row_scale): y [..., out] fp32 and row_scale the 1/rms
+        [..., 1] when tokens <= POST_SCALE_MAX_TOKENS (the product is (y * row_scale) in x.dtype: a kernel
+        reading y may apply the scale itself), else y in x.dtype, the product of the scaled rows, and None."""
         tokens = self.x.size // self.x.shape[-1]
         if tokens <= POST_SCALE_MAX_TOKENS:
             wide = jnp.promote_types(self.x.dtype, jnp.float32)
@@ -78,10 +80,14 @@ class DeferredNorm:
             # produce x into each GEMV's reduction, which recomputes them per output. Batch 1 on the H200:
             # device 0.858 against 0.894 ms a step (bench/results/fold-forms-{barrier,folded}-probe_gpu_20261202.json).
             x = jax.lax.optimization_barrier(self.x)
-            y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=wide)
-            return (y * self.inv_rms).astype(self.x.dtype)
+            return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=wide), self.inv_rms
         scaled = (upcast(self.x) * self.inv_rms).astype(self.x.dtype)
-        return jnp.einsum("...i,oi->...o", scaled, w)
+        return jnp.einsum("...i,oi->...o", scaled, w), None
+
+    def product(self, w):
+        """(x / rms(x)) @ w.T for w [out, H] (Hugging Face layout) -> [..., out] in x.dtype."""
+        y, row_scale = self.product_parts(w)
+        return y if row_scale is None else (y * row_scale).astype(self.x.dtype)
 
 
 def gated_rms_norm(o, z, weight, eps: float, out_dtype):

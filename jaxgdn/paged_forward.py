@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import on_gpu
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.gdn import use_pooled_recurrent
+from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
 from pallas_kernels.paged_attention import paged_attention_pallas, write_kernel_supports, write_kv_pallas
@@ -27,7 +28,7 @@ from .attention import fresh_prompt_attention, gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output, gdn_projections
-from .mlp import linear
+from .mlp import linear, linear_parts
 from .model import residual_block
 from .mtp import mtp_fc_input
 from .norms import rms_norm_1p
@@ -152,13 +153,32 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
     return GDNSlots(conv=conv, ssm=slots.ssm.at[idx].set(final_ssm))
 
 
+# The GDN mixer kernel (`pallas_kernels/gdn_mixer.py`) for steps of at most MIXER_MAX_ROWS rows on the pool
+# kernel path; False runs the unfused chain (product scale, gates, conv kernel, pool kernel, gated norm) always.
+# Its one program per (row, key head) holds whole state tiles: on the H200 at the 0.8B widths, alone, 6.3 us a
+# layer at batch 1 and 7.8 at batch 8 against ~9 and ~12 for the chain's five kernels, but 48.8 at batch 64
+# against 41 for the chain's conv and pool kernels, which split dv over more programs
+# (bench/results/gdn-mixer-probe_gpu_20261202.json).
+MIXER_KERNEL = True
+MIXER_MAX_ROWS = 16
+
+
+def use_mixer_kernel(p, cfg: ModelConfig, rows: int) -> bool:
+    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: at most
+    MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product) and
+    tile-sized heads of at most 128 x 128."""
+    return (MIXER_KERNEL and rows <= MIXER_MAX_ROWS and p.fused is not None
+            and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
 def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str):
     """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
 
     With gdn_impl "pallas_pool", short rows (decode, spec verification) run the in-place pool kernel: it
     reads checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the
     pool, with no gathered copy of the states, after the conv kernel did the same for the conv windows
-    (`pallas_kernels/conv_pallas.py`). Otherwise the states are gathered, run, and scattered back."""
+    (`pallas_kernels/conv_pallas.py`); with fused weights one kernel does the conv, gates, recurrence and gated
+    norm (`use_mixer_kernel`). Otherwise the states are gathered, run, and scattered back."""
     kc = cfg.linear_conv_kernel_dim
     K = slots.ssm.shape[1] - 1
     Q = h.shape[1]
@@ -168,6 +188,12 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         out, new, checkpoints = res if K else (*res, None)
         return out, write_gdn_state(slots, view, new, checkpoints)
     offset = num_accepted[view.idx_mapping] - 1
+    if use_mixer_kernel(p, cfg, h.shape[0]):  # everything between the two products in one kernel
+        y, row_scale = linear_parts(h, p.fused)
+        out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
+                                          slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
+                                          view.verify_path, view.num_valid, dtype=h.dtype)
+        return linear(out, p.out_proj), GDNSlots(conv=conv, ssm=ssm)
     source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
     if conv_kernel_supports(cfg.conv_dim):  # the conv's window read, compute and write in one kernel
         u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,

@@ -50,21 +50,37 @@ def _channel_block(channels: int) -> int:
 
 def _conv_kernel(x_ref, w_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _pool_in, o_ref, pool_ref,
                  *, T, Kc, BC):
-    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
-
     b, ic = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(ic * BC, BC)
     slot, start = slot_ref[b], start_ref[b]
     fresh = fresh_ref[b] != 0
     window = [jnp.where(fresh, 0, pool_ref[slot, start + i, cols]).astype(x_ref.dtype) for i in range(Kc - 1)]
     full = window + [x_ref[b, jnp.int32(t), cols] for t in range(T)]  # Kc-1+T rows of [BC]; T is small and static
+    for t, out in enumerate(conv_silu_rows(full, w_ref, cols, T)):
+        o_ref[b, jnp.int32(t), cols] = out.astype(o_ref.dtype)
+    # Every load above precedes these stores in the program, and no other program touches these channels.
+    store_windows(pool_ref, slot, cols, full, Kc, T, nvalid_ref[b], verify_ref[b] != 0)
+
+
+def conv_silu_rows(full, w_ref, cols, T: int):
+    """The T outputs silu(Σ_j full[t+j] · w[:, j]) [width] fp32 of a row's input rows full = [window ‖ x]
+    (Kc-1+T rows of [width]) for channels `cols` of the taps w_ref [C, 1, Kc]."""
+    Kc = w_ref.shape[-1]
     w = [w_ref[cols, jnp.int32(0), jnp.int32(j)].astype(f32) for j in range(Kc)]
+    outs = []
     for t in range(T):
         acc = sum(full[t + j].astype(f32) * w[j] for j in range(Kc))
-        o_ref[b, jnp.int32(t), cols] = (acc * jax.nn.sigmoid(acc)).astype(o_ref.dtype)
-    # Every load above precedes these stores in the program, and no other program touches these channels.
-    verify = verify_ref[b] != 0
-    n = nvalid_ref[b]
+        outs.append(acc * jax.nn.sigmoid(acc))
+    return outs
+
+
+def store_windows(pool_ref, slot, cols, full, Kc: int, T: int, n, verify):
+    """Write a row's conv windows for channels `cols` into pool_ref [S, Kc-1+K, C] in place: full is the
+    list of its Kc-1+T input rows [window ‖ x] ([width] each); a verify row writes full[1 : Kc+K] (the
+    window after each window position), any other row its last Kc-1 real inputs full[n : n+Kc-1]."""
+    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    width = full[0].shape[0]
     for i in range(pool_ref.shape[1]):
         kept = None
         if i < Kc - 1:  # the last Kc-1 real inputs: full[n + i]
@@ -80,7 +96,7 @@ def _conv_kernel(x_ref, w_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvali
             value, mask = kept, jnp.logical_not(verify)
         else:
             value, mask = jnp.where(verify, buffer, kept), jnp.bool_(True)
-        plt.store(pool_ref.at[slot, jnp.int32(i), cols], value.astype(pool_ref.dtype), mask=jnp.full((BC,), mask))
+        plt.store(pool_ref.at[slot, jnp.int32(i), cols], value.astype(pool_ref.dtype), mask=jnp.full((width,), mask))
 
 
 def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, verify, num_valid, interpret=None,

@@ -323,11 +323,18 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale
     if norm is not None:
         z_ref, w_ref = refs[:2]
         eps, dv, z_offset, z_stride = norm
-        o = o.astype(o_ref.dtype).astype(f32)  # the layer casts the core output to its activation dtype first
-        normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(o_ref.dtype).astype(f32)
-        z = z_ref[b, rows, pl.ds(z_offset + h * z_stride + iv * BV, BV)].astype(f32)
-        o = w_ref[cols].astype(f32)[None, :] * normed * (z * jax.nn.sigmoid(z))
+        z = z_ref[b, rows, pl.ds(z_offset + h * z_stride + iv * BV, BV)]
+        o = gated_norm(o, z, w_ref[cols], eps, dv, o_ref.dtype)
     o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
+
+
+def gated_norm(o, z, weight, eps: float, dv: int, dtype):
+    """`norms.gated_rms_norm(o.astype(dtype), z, weight)` in a kernel, over o's last axis: o [..., BV] fp32
+    (whole heads; padded columns zero, dv the real width), z [..., BV] the gate, weight [BV]. fp32 result."""
+    o = o.astype(dtype).astype(f32)  # the layer casts the core output to its activation dtype first
+    normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(dtype).astype(f32)
+    z = z.astype(f32)
+    return weight.astype(f32) * normed * (z * jax.nn.sigmoid(z))
 
 
 class OutputGate(NamedTuple):

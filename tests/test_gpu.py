@@ -91,6 +91,22 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
 
+@pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])
+def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(monkeypatch, T, K, dtype):
+    """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128: one
+    whole state tile per program) against the compiled unfused chain; test_gdn_mixer.py runs the smaller
+    cases (and, interpreted, on CPU)."""
+    import jax.numpy as jnp
+
+    from test_gdn_mixer import assert_same_rows, mixer_case, run_rows
+
+    dt = jnp.dtype(dtype)
+    case = mixer_case(T, K, dt, seed=T, Hk=16, Hv=16, dk=128, dv=128)
+    want = run_rows(monkeypatch, False, *case)
+    got = run_rows(monkeypatch, True, *case)
+    assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)
+
+
 @pytest.mark.parametrize("dtype, D, Q", [("float32", 32, 20), ("bfloat16", 256, 1), ("bfloat16", 256, 40)])
 def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
     import jax.numpy as jnp

@@ -1,19 +1,20 @@
-"""Probe: forms of the folded RMSNorm's product in a single-token decode step.
+"""Probe: forms of the 0.8B decode step's code, one process each, timed the same way.
 
-    python bench/probes/fold_forms.py FORM OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); default 1 8
+    python bench/probes/decode_forms.py FORM OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); default 1 8
 
 One form per process: the layer's jit keeps its first trace, so a form patched in later would not run.
 FORM is one of
+    default    the engine as committed
     unfolded   EngineConfig.fold_norms=False (the plain RMSNorm: sum of squares, then scale and cast)
-    folded     the default (`norms.DeferredNorm.product`: 1/rms after the product for one token, with
-               `lax.optimization_barrier` on x before the product since r22)
-    no-barrier r21's folded form, without the barrier: in the r21 compiled step
-               (bench/results/decode-kernels-fold-probe_gpu_20261202.json.hlo-b1.txt.gz, fused_reduce.207)
+    no-barrier the folded norm's product without r22's `lax.optimization_barrier` on x: in the r21 compiled
+               step (bench/results/decode-kernels-fold-probe_gpu_20261202.json.hlo-b1.txt.gz, fused_reduce.207)
                XLA fuses the residual adds that produce x into each GEMV's reduction, and the GEMVs ran
                0.3-1 us slower than with the plain norm in front
-    bf16-out   folded, the product in x's dtype (no fp32 output), then scaled
-Run on 2026-12-02 (r22) before the barrier was the default, as "barrier" (now "folded"), "folded" (now
-"no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
+    bf16-out   the folded norm's product in x's dtype (no fp32 output), then scaled
+    unfused-mixer  the GDN layer's pool-kernel rows on the unfused chain (gates, conv kernel, pool kernel, gated
+               norm; `paged_forward.MIXER_KERNEL = False`) instead of r22's one mixer kernel
+Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
+the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
 tiny model on CPU, as a check that the forms run) and writes one JSON row per batch.
 """
@@ -24,12 +25,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxgdn import norms
+from jaxgdn import norms, paged_forward
 from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import engine_decode_ms, load_model
 from pallas_kernels.common import on_gpu
 
-FORMS = ("unfolded", "folded", "no-barrier", "bf16-out")
+FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer")
 
 
 def _product_form(form: str):
@@ -55,16 +56,17 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
     patched = _product_form(form)
     if patched is not None:
         norms.DeferredNorm.product = patched
+    paged_forward.MIXER_KERNEL = form != "unfused-mixer"
     gpu = on_gpu()
     params, cfg = load_model("qwen3.5-0.8b" if gpu else "checkpoints/qwen35-tiny-arith")
-    result = {"benchmark": "fold-forms-probe", "form": form, "rows": [], "env": environment(),
+    result = {"benchmark": "decode-forms-probe", "form": form, "rows": [], "env": environment(),
               "timing": "engine_decode_ms: wall ms per decode step in steady state; device_ms_per_step the "
                         "launch replayed without the host"}
     for batch in batches:
         r = engine_decode_ms(params, cfg, batch, 64, 32 if gpu else 4, fold_norms=form != "unfolded")
         result["rows"].append({"batch": batch, "ms_per_step": r["ms_per_step"],
                                "device_ms_per_step": r["device_ms_per_step"]})
-        print(f"{form:9s} batch {batch:3d}: {r['ms_per_step']:.3f} ms/step (device {r['device_ms_per_step']:.3f})",
+        print(f"{form:13s} batch {batch:3d}: {r['ms_per_step']:.3f} ms/step (device {r['device_ms_per_step']:.3f})",
               flush=True)
         if out_path:
             with open(out_path, "w") as f:
