@@ -156,9 +156,10 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 # The GDN mixer kernel (`pallas_kernels/gdn_mixer.py`) for steps of at most MIXER_MAX_ROWS rows on the pool
 # kernel path; False runs the unfused chain (product scale, gates, conv kernel, pool kernel, gated norm) always.
 # Its one program per (row, key head) holds whole state tiles: on the H200 at the 0.8B widths, alone, 6.3 us a
-# layer at batch 1 and 7.8 at batch 8 against ~9 and ~12 for the chain's five kernels, but 48.8 at batch 64
-# against 41 for the chain's conv and pool kernels, which split dv over more programs
-# (bench/results/gdn-mixer-probe_gpu_20261202.json).
+# layer at batch 1 and 7.8 at batch 8 against ~9 (r21's in-model inventory) and an estimated ~12 for the
+# chain's five kernels, but 48.8 at batch 64 against 41 for the chain's conv and pool kernels, which split dv
+# over more programs (bench/results/gdn-mixer-probe_gpu_20261202.json). In the model (device ms a step):
+# batch 8 1.097 against 1.130, batch 16 1.249 against 1.290, batch 1 even (decode-forms-*-probe_gpu_20261202.json).
 MIXER_KERNEL = True
 MIXER_MAX_ROWS = 16
 

@@ -47,7 +47,8 @@ def mixer_kernel_supports(dk: int, dv: int) -> bool:
 
 
 def _softplus(x):
-    """jax.nn.softplus's form, log(1 + e^x) = max(x, 0) + log1p(e^-|x|), in ops Triton lowers."""
+    """jax.nn.softplus's form, log(1 + e^x) = max(x, 0) + log1p(e^-|x|): jax.nn.softplus itself is a
+    custom_jvp, which the Triton lowering rejects."""
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
