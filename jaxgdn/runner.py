@@ -294,29 +294,14 @@ class LaunchArgs(NamedTuple):
     whole_prompts: bool
 
 
-# Steps of at least this many tokens run an executable compiled without XLA's command buffers (CUDA
-# graphs). A graph saves the launch of each of a decode step's ~370 small kernels (batch 1's device step
-# 2.7 ms without graphs against 1.4, README Performance, decode-cmdbuf), but XLA updates it on the host
-# before it starts (its temp buffer comes back at a new address), while kernels launched one by one start
-# as soon as the first is queued and the host then stays ahead of long prefill kernels.
-GRAPH_MAX_TOKENS = 2048
-
-
-def uses_command_buffers(num_tokens: int) -> bool:
-    """Whether a step over num_tokens flat tokens runs as CUDA graphs (see GRAPH_MAX_TOKENS)."""
-    return num_tokens < GRAPH_MAX_TOKENS
-
-
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla",
-                 rebases: bool = False, command_buffers: bool = True):
+                 rebases: bool = False):
     """One jitted step function per static setting, shared by every runner in the process, so engines
-    built with the same model and settings reuse each other's compiled buckets. command_buffers=False
-    compiles without XLA's command buffers (an XLA GPU option; other backends ignore it)."""
-    options = {} if command_buffers else {"xla_gpu_enable_command_buffer": ""}
+    built with the same model and settings reuse each other's compiled buckets."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded, rebases=rebases),
-                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7), compiler_options=options)
+                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
 
 
 class ModelRunner:
@@ -339,7 +324,7 @@ class ModelRunner:
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
-        self._step_settings = (cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases)
+        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""
@@ -379,16 +364,9 @@ class ModelRunner:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
         if resident is None:
             resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
-        step = self.jitted_step(layout)
-        self.state, flat, self._resident_inputs[size] = step(self.params, self.state, resident, step_input, layout,
-                                                             stochastic, num_steps, whole_prompts)
+        self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
+                                                                   layout, stochastic, num_steps, whole_prompts)
         return flat
-
-    def jitted_step(self, layout: tuple):
-        """The jitted step function that runs steps of this input layout (pack_step_arrays'): with or
-        without command buffers by the step's token count (GRAPH_MAX_TOKENS)."""
-        num_tokens = dict((name, shape) for name, shape, _ in layout)["input_ids"][0]
-        return _jitted_step(*self._step_settings, command_buffers=uses_command_buffers(num_tokens))
 
     @property
     def num_compiled_shapes(self) -> int:

@@ -371,9 +371,8 @@ def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
     eng.add_request(prompt(701, 5), GREEDY)
     eng.step()
     host_buf, layout, *static = eng.runner.last_device_args
-    hlo = eng.runner.jitted_step(layout).lower(eng.runner.params, eng.runner.state,
-                                               jnp.zeros(host_buf.size + 1, jnp.int32), jnp.asarray(host_buf), layout,
-                                               *static).compile().as_text()
+    hlo = eng.runner._step.lower(eng.runner.params, eng.runner.state, jnp.zeros(host_buf.size + 1, jnp.int32),
+                                 jnp.asarray(host_buf), layout, *static).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     (name,) = {line.split("=")[0].strip() for line in entry if "parameter(" in line and "host_input" in line}
     readers = [line for line in entry if name in line.split("=", 1)[-1]]

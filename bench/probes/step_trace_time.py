@@ -39,8 +39,8 @@ def main(model="qwen3.5-0.8b", k=1):
             resident = runner._resident_inputs.get(size)
             resident = np.zeros(size + 1, np.int32) if resident is None else resident
             t0 = time.perf_counter()
-            traced = runner.jitted_step(layout).trace(runner.params, runner.state, resident, step_input, layout,
-                                                      stochastic, num_steps, whole_prompts)
+            traced = runner._step.trace(runner.params, runner.state, resident, step_input, layout, stochastic,
+                                        num_steps, whole_prompts)
             t1 = time.perf_counter()
             traced.lower()
             t2 = time.perf_counter()
