@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import on_gpu
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
+from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
@@ -29,6 +30,7 @@ from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output, gdn_projections
 from .mlp import linear, linear_parts
+from .rope import rope_cos_sin
 from .model import residual_block
 from .mtp import mtp_fc_input
 from .norms import rms_norm_1p
@@ -71,14 +73,40 @@ def write_kv(kv: PagedKV, slots, k, v, impl: str):
     return scatter(kv.k, k), scatter(kv.v, v)
 
 
+# Decode and verify rows (at most DECODE_ATTENTION_MAX_QUERIES cells each) run the attention layer between its
+# two products as one kernel (`pallas_kernels/decode_attention.py`) on a GPU or with impl "pallas"; False keeps
+# them on the XLA path (or the paged flash kernel with impl "pallas").
+DECODE_ATTENTION_KERNEL = True
+DECODE_ATTENTION_MAX_QUERIES = 8
+
+
+def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: int, impl: str,
+                                whole_prompts: bool) -> bool:
+    """Whether an attention layer's step of rows `queries` cells wide runs the one decode-attention kernel:
+    short rows that read pages (not a step of whole prompts), fused q/k/v weights (one product to read)
+    and tile-sized heads and pages."""
+    return (DECODE_ATTENTION_KERNEL and (impl == "pallas" or on_gpu()) and not whole_prompts
+            and queries <= DECODE_ATTENTION_MAX_QUERIES and p.fused is not None
+            and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
+
+
 def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False):
     """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
     row's pages. impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash
     kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow.
+    Short rows run everything between the two products as one kernel (`use_decode_attention_kernel`).
     whole_prompts (static; the host sets it, see `StepArrays.whole_prompts`): every row starts at
     position 0 (seq_lens == num_valid), and impl "xla" reads the step's own K/V instead of the pages
     (`fresh_prompt_attention`: cuDNN's flash attention on a GPU)."""
     R, Q, _ = h.shape
+    if use_decode_attention_kernel(p, cfg, Q, kv.k.shape[1], impl, whole_prompts):
+        y, row_scale = linear_parts(h, p.fused)
+        cos, sin = rope_cos_sin(cfg, view.positions, h.dtype)
+        o, k_pool, v_pool = decode_attention_pooled(
+            y, row_scale, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, kv.k, kv.v, view.kv_slots.reshape(-1),
+            view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
+            view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
+        return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
     q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
     P, ps, Hkv, D = kv.k.shape
     k_pool, v_pool = write_kv(kv, view.kv_slots.reshape(-1), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), impl)

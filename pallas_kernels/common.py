@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def on_gpu() -> bool:
@@ -22,3 +23,18 @@ def triton_params(num_warps: int, num_stages: int = 1):
         return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     except (ImportError, AttributeError):  # pragma: no cover - older/newer Pallas spellings
         return None
+
+
+def call_on_product(kernel, y, row_scale, inputs: tuple, pools: tuple, out, grid, num_warps: int, interpret=None):
+    """pallas_call of a kernel between a layer's two products that writes two pools in place (the GDN mixer,
+    the decode attention): its arguments are the product y, the folded norm's row_scale (fp32; only when
+    given), *inputs, then the two pools, aliased to outputs 1 and 2; output 0 is `out` (a ShapeDtypeStruct).
+    Returns (output, pool, pool)."""
+    from jax.experimental import pallas as pl
+
+    args = (y, *((row_scale.astype(jnp.float32),) if row_scale is not None else ()), *inputs, *pools)
+    return pl.pallas_call(
+        kernel, out_shape=(out, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools)), grid=grid,
+        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2}, interpret=interpret_default(interpret),
+        compiler_params=triton_params(num_warps),
+    )(*args)

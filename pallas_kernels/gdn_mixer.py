@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .common import interpret_default, triton_params
+from .common import call_on_product
 from .conv_pallas import conv_silu_rows, store_windows
 from .gdn_pallas import _delta_step, gated_norm, pooled_kernel_supports
 
@@ -120,12 +120,6 @@ def gdn_mixer_pooled(y, row_scale, conv_weight, A_log, dt_bias, norm_weight, eps
     scaled = row_scale is not None
     kernel = functools.partial(_mixer_kernel, T=T, W=W, Kc=Kc, Hk=Hk, group=Hv // Hk, dk=dk, dv=dv, eps=float(eps),
                                scaled=scaled)
-    args = (y, *((row_scale.astype(f32),) if scaled else ()), conv_weight, A_log, dt_bias, norm_weight, i32(slots),
-            i32(start), i32(fresh), i32(verify), i32(num_valid), conv_pool, ssm_pool)
-    return pl.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv * dv), dtype),
-                           jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
-                           jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype)),
-        grid=(B, Hk), input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
-        interpret=interpret_default(interpret), compiler_params=triton_params(num_warps),
-    )(*args)
+    inputs = (conv_weight, A_log, dt_bias, norm_weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid))
+    return call_on_product(kernel, y, row_scale, inputs, (conv_pool, ssm_pool),
+                           jax.ShapeDtypeStruct((B, T, Hv * dv), dtype), (B, Hk), num_warps, interpret)

@@ -107,6 +107,21 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(m
     assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize("Q, dtype", [(1, "bfloat16"), (4, "bfloat16"), (2, "float32")])
+def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(monkeypatch, Q, dtype):
+    """The one-kernel decode attention compiled at the 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over
+    64) against the compiled XLA chain; test_decode_attention.py runs the smaller cases interpreted on CPU."""
+    import jax.numpy as jnp
+
+    from test_decode_attention import assert_same_layer, attention_case, run_layer
+
+    dt = jnp.dtype(dtype)
+    cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
+    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
+    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    assert_same_layer(got, want, view, kv, 3e-2 if dt == jnp.bfloat16 else 1e-4)
+
+
 @pytest.mark.parametrize("dtype, D, Q", [("float32", 32, 20), ("bfloat16", 256, 1), ("bfloat16", 256, 40)])
 def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
     import jax.numpy as jnp

@@ -13,6 +13,8 @@ FORM is one of
     bf16-out   the folded norm's product in x's dtype (no fp32 output), then scaled
     unfused-mixer  the GDN layer's pool-kernel rows on the unfused chain (gates, conv kernel, pool kernel, gated
                norm; `paged_forward.MIXER_KERNEL = False`) instead of r22's one mixer kernel
+    xla-attention  the attention layers' decode rows on the XLA chain (q/k norms, RoPE, KV write kernel, page
+               gather, softmax, gate; `paged_forward.DECODE_ATTENTION_KERNEL = False`) instead of r23's one kernel
 Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
 the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
@@ -30,7 +32,7 @@ from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import engine_decode_ms, load_model
 from pallas_kernels.common import on_gpu
 
-FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer")
+FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer", "xla-attention")
 
 
 def _product_form(form: str):
@@ -57,6 +59,7 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
     if patched is not None:
         norms.DeferredNorm.product = patched
     paged_forward.MIXER_KERNEL = form != "unfused-mixer"
+    paged_forward.DECODE_ATTENTION_KERNEL = form != "xla-attention"
     gpu = on_gpu()
     params, cfg = load_model("qwen3.5-0.8b" if gpu else "checkpoints/qwen35-tiny-arith")
     result = {"benchmark": "decode-forms-probe", "form": form, "rows": [], "env": environment(),

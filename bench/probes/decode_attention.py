@@ -1,0 +1,86 @@
+"""Probe: the attention layer of a decode step on the 0.8B widths, the one decode-attention kernel against the XLA chain.
+
+    python bench/probes/decode_attention.py OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); CPU: a run check only
+
+Forms: `xla` the chain the engine ran before r23 (`paged_forward.DECODE_ATTENTION_KERNEL = False`: q/k norms, RoPE,
+the KV write kernel, the page gather, scores, softmax, P·V, the gate); `pb<P>-w<W>` the kernel
+(`pallas_kernels/decode_attention.py`) loading P pages per step of its page loop on W warps. Each call runs
+`paged_attention` (the q/k/v product, the part between, o_proj) over LAYERS distinct pools in a chain, as a
+step's layers do, on one-token rows whose pages hold CONTEXT earlier tokens (a 64-token prompt and 32 decode
+steps); input the folded norm's DeferredNorm, as the engine hands it. Device us per layer from a profiler
+trace, with the top kernels.
+"""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgdn import paged_forward
+from jaxgdn.bench.common import environment, profile_calls
+from jaxgdn.cache import PagedKV
+from jaxgdn.config import PRESETS
+from jaxgdn.norms import DeferredNorm, inverse_rms
+from jaxgdn.paged_forward import RowView, paged_attention
+from jaxgdn.params import AttentionParams
+from pallas_kernels import decode_attention
+from pallas_kernels.common import on_gpu
+
+LAYERS, CONTEXT, PS, MP = 6, 96, 16, 8
+FORMS = ("xla", "pb1-w4", "pb2-w4", "pb1-w2", "pb1-w8", "pb2-w8", "pb4-w8", "xla")  # r23's second run
+
+
+def case(cfg, R, seed=0):
+    bf = jnp.bfloat16
+    r = np.random.default_rng(seed)
+    Hq, Hkv, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    w = lambda *s: jnp.asarray(0.02 * r.standard_normal(s), bf)  # noqa: E731
+    fused = w(2 * Hq * D + 2 * Hkv * D, H)
+    p = AttentionParams(q_proj=None, k_proj=None, v_proj=None, o_proj=w(H, Hq * D), q_norm=w(D), k_norm=w(D),
+                        fused=fused)
+    pools = [PagedKV(k=jnp.asarray(r.standard_normal((1 + R * MP, PS, Hkv, D)), bf),
+                     v=jnp.asarray(r.standard_normal((1 + R * MP, PS, Hkv, D)), bf)) for _ in range(LAYERS)]
+    pages = 1 + np.arange(R * MP).reshape(R, MP)
+    pos = np.full((R, 1), CONTEXT)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    view = RowView(token_index=i32(np.zeros((R, 1))), positions=i32(pos),
+                   kv_slots=i32(pages[:, CONTEXT // PS : CONTEXT // PS + 1] * PS + CONTEXT % PS),
+                   block_tables=i32(pages), seq_lens=i32(np.full(R, CONTEXT + 1)), idx_mapping=i32(np.arange(R)),
+                   fresh=jnp.zeros(R, bool), verify_path=jnp.zeros(R, bool))
+    x = jnp.asarray(r.standard_normal((R, 1, H)), bf)
+    return p, pools, view, DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
+
+
+def main(out_path, batches=(1, 8, 64)):
+    gpu = on_gpu()
+    cfg = PRESETS["qwen3.5-0.8b"]()
+    result = {"benchmark": "decode-attention-probe", "rows": [], "env": environment(),
+              "shape": {"layers": LAYERS, "context": CONTEXT, "page_size": PS, "queries_per_row": 1},
+              "timing": "device us per layer (profiler busy time of LAYERS chained layers / LAYERS), q/k/v product "
+                        "and o_proj included"}
+    for R in batches:
+        p, pools, view, h = case(cfg, R)
+        for form in FORMS if gpu else ("xla", "pb4-w4"):
+            paged_forward.DECODE_ATTENTION_KERNEL = form != "xla"
+            if form != "xla":
+                decode_attention.PAGES_PER_STEP = int(form[2 : form.index("-")])
+                decode_attention.NUM_WARPS = int(form.split("-w")[1])
+
+            def chain(h, pools):
+                return [paged_attention(p, cfg, h, view, kv, "pallas" if form != "xla" else "xla") for kv in pools]
+
+            prof = profile_calls(jax.jit(chain), h, pools, iters=10 if gpu else 1, divide_by=(10 if gpu else 1) * LAYERS)
+            row = {"batch": R, "form": form, "us_per_layer": round(prof["busy_us"], 2),
+                   "top": [[n, round(us, 2)] for n, us, *_ in prof["top"][:8]]}
+            result["rows"].append(row)
+            print(f"batch {R:3d} {form:8s} {row['us_per_layer']:8.2f} us/layer  top {row['top'][:4]}", flush=True)
+            with open(out_path, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], tuple(int(b) for b in sys.argv[2:]) or (1, 8, 64))

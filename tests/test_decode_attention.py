@@ -1,0 +1,126 @@
+"""The one-kernel decode attention (`pallas_kernels/decode_attention.py`, interpret mode on CPU, compiled under
+-m gpu in test_gpu.py) against the XLA chain it replaces in `paged_forward.paged_attention`: the fused
+projection's split, q/k RMSNorms, RoPE, the KV write, attention over each row's gathered pages, the gate."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import small_config
+from jaxgdn import norms, paged_forward
+from jaxgdn.cache import PagedKV
+from jaxgdn.norms import DeferredNorm, inverse_rms
+from jaxgdn.paged_forward import RowView, paged_attention, use_decode_attention_kernel
+from jaxgdn.params import init_random_params, serving_layout
+from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
+
+PS = 16  # tokens per KV page
+
+
+def attention_case(Q, dtype, seed=0, **overrides):
+    """An attention layer in the serving layout and five rows of Q cells: keys already in the pages 0, 5, 37
+    and 70 tokens (70 spans two steps of the kernel's page loop), one row with fewer valid cells than Q,
+    a padding row; the pools' unwritten cells, the null page and the padding row's pages hold NaN."""
+    cfg = small_config(**overrides)
+    params = serving_layout(init_random_params(cfg, seed=seed, dtype=dtype), True)
+    p = params.layers[cfg.layer_types.index("full_attention")].mixer
+    r = np.random.default_rng(seed)
+    old_lens = np.array([0, 5, 37, 70, 0])
+    num_valid = np.array([Q, Q, max(Q - 1, 1), Q, 0])
+    R, MP, Hkv, D = len(old_lens), 8, cfg.num_key_value_heads, cfg.head_dim
+    pages = 1 + np.arange(R * MP).reshape(R, MP)  # distinct pages; page 0 is the null page
+    pages[-1] = 0  # the padding row has none
+    k_pool, v_pool = (np.full((1 + R * MP, PS, Hkv, D), np.nan, np.float32) for _ in range(2))
+    for b, n in enumerate(old_lens):  # the keys earlier steps wrote
+        for pos in range(n):
+            for pool in (k_pool, v_pool):
+                pool[pages[b, pos // PS], pos % PS] = r.standard_normal((Hkv, D))
+    t = np.arange(Q)[None, :]
+    valid = t < num_valid[:, None]
+    positions = np.where(valid, old_lens[:, None] + t, 0)
+    kv_slots = np.where(valid, np.take_along_axis(pages, positions // PS, axis=1) * PS + positions % PS, t % PS)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    view = RowView(token_index=i32(np.where(valid, t, -1)), positions=i32(positions), kv_slots=i32(kv_slots),
+                   block_tables=i32(pages), seq_lens=i32(old_lens + num_valid), idx_mapping=i32(np.arange(R)),
+                   fresh=jnp.zeros(R, bool), verify_path=jnp.zeros(R, bool))
+    x = jnp.asarray(r.standard_normal((R, Q, cfg.hidden_size)), dtype)
+    return cfg, p, x, view, PagedKV(k=jnp.asarray(k_pool, dtype), v=jnp.asarray(v_pool, dtype))
+
+
+def run_layer(monkeypatch, kernel: bool, cfg, p, h, view, kv):
+    monkeypatch.setattr(paged_forward, "DECODE_ATTENTION_KERNEL", kernel)
+    impl = "pallas" if kernel else "xla"
+    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, False) == kernel
+    return jax.jit(lambda h, kv: paged_attention(p, cfg, h, view, kv, impl))(h, kv)
+
+
+def assert_same_layer(got, want, view, kv, atol):
+    """Outputs of valid cells close; the pools close off the null page, and written where the cells' slots are."""
+    (out, pools), (out_ref, pools_ref) = got, want
+    valid = np.asarray(view.valid)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[valid], np.asarray(out_ref, np.float32)[valid],
+                               atol=atol, rtol=atol)
+    for new, ref, old in ((pools.k, pools_ref.k, kv.k), (pools.v, pools_ref.v, kv.v)):
+        new, ref, old = (np.asarray(a, np.float32)[1:] for a in (new, ref, old))
+        np.testing.assert_allclose(new, ref, atol=atol, rtol=atol)
+        assert np.isfinite(new).sum() == np.isfinite(old).sum() + valid.sum() * ref.shape[2] * ref.shape[3]
+
+
+@pytest.mark.parametrize("Q, dtype", [(1, jnp.float32), (3, jnp.float32), (1, jnp.bfloat16), (4, jnp.bfloat16)])
+def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype):
+    """Decode (one cell) and verify windows, GQA (two query heads per KV head), partial RoPE, fp32 and bf16
+    activations from a plain (pre-normed) input."""
+    cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
+    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
+    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
+    """With a DeferredNorm input of one token per product (post-scaled: the kernel gets the fp32 product and
+    the 1/rms) the kernel equals the chain, which scales and rounds the product first."""
+    monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
+    cfg, p, x, view, kv = attention_case(2, dtype, seed=7)
+    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
+    want = run_layer(monkeypatch, False, cfg, p, h, view, kv)
+    got = run_layer(monkeypatch, True, cfg, p, h, view, kv)
+    assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
+
+
+def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch):
+    """RoPE over the whole head (no pass-through part) and all query heads on one KV head."""
+    cfg, p, x, view, kv = attention_case(2, jnp.float32, seed=3, partial_rotary_factor=1.0, num_key_value_heads=1)
+    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
+    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    assert_same_layer(got, want, view, kv, 2e-5)
+
+
+def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
+    cfg, p, *_ = attention_case(1, jnp.float32)
+    Qmax = paged_forward.DECODE_ATTENTION_MAX_QUERIES
+    assert use_decode_attention_kernel(p, cfg, Qmax, PS, "pallas", False)
+    assert not use_decode_attention_kernel(p, cfg, Qmax + 1, PS, "pallas", False)  # prompts: flash or XLA
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", True)  # whole prompts read their own K/V
+    assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, "pallas", False)
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, "xla", False)  # on CPU only when asked for
+    assert decode_attention_supports(256, 16, 64) and not decode_attention_supports(96, 16, 24)
+    assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
+
+
+def test_decode_attention_kernel_lowers_to_triton_without_a_gpu():
+    """The 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over 64), a post-scaled product, a verify window."""
+    Hq, Hkv, D, R, Q, MP = 8, 2, 256, 2, 3, 4
+    bf = jnp.bfloat16
+    y = jnp.zeros((R, Q, 2 * Hq * D + 2 * Hkv * D), jnp.float32)
+    pool = jnp.zeros((9, PS, Hkv, D), bf)
+    ints = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    fn = lambda y, k, v: decode_attention_pooled(  # noqa: E731
+        y, jnp.ones((R, Q, 1)), jnp.zeros(D, bf), jnp.zeros(D, bf), 1e-6, jnp.ones((R, Q, 64), bf),
+        jnp.zeros((R, Q, 64), bf), k, v, ints(R * Q), ints(R, MP), ints(R, Q), ints(R), ints(R), num_heads=Hq,
+        dtype=bf, interpret=False)
+    text = jax.jit(fn).trace(y, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
