@@ -15,6 +15,7 @@ from jaxgdn.cache import PagedKV
 from jaxgdn.norms import DeferredNorm, inverse_rms
 from jaxgdn.paged_forward import RowView, paged_attention, use_decode_attention_kernel
 from jaxgdn.params import init_random_params, serving_layout
+from pallas_kernels import decode_attention
 from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
 
 PS = 16  # tokens per KV page
@@ -69,10 +70,12 @@ def assert_same_layer(got, want, view, kv, atol):
         assert np.isfinite(new).sum() == np.isfinite(old).sum() + valid.sum() * ref.shape[2] * ref.shape[3]
 
 
-@pytest.mark.parametrize("Q, dtype", [(1, jnp.float32), (3, jnp.float32), (1, jnp.bfloat16), (4, jnp.bfloat16)])
-def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype):
+@pytest.mark.parametrize("Q, dtype, pages_per_tile", [(1, jnp.float32, 1), (3, jnp.float32, 2), (1, jnp.bfloat16, 2),
+                                                      (4, jnp.bfloat16, 1), (2, jnp.float32, 4)])
+def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile):
     """Decode (one cell) and verify windows, GQA (two query heads per KV head), partial RoPE, fp32 and bf16
-    activations from a plain (pre-normed) input."""
+    activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages."""
+    monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
     cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
     want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
     got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
