@@ -30,12 +30,12 @@ from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output, gdn_projections
 from .mlp import linear, linear_parts
-from .rope import rope_cos_sin
 from .model import residual_block
 from .mtp import mtp_fc_input
 from .norms import rms_norm_1p
 from .params import ModelParams
 from .pytree import pytree_dataclass
+from .rope import rope_cos_sin
 from .state import GDNState
 
 Array = Any
