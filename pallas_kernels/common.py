@@ -38,3 +38,19 @@ def call_on_product(kernel, y, row_scale, inputs: tuple, pools: tuple, out, grid
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps),
     )(*args)
+
+
+def product_rows(y_ref, refs: tuple, scaled: bool, row):
+    """In a kernel called through call_on_product: (read, refs without the row scale's). read(t, cols) is grid
+    row `row`'s product at token t and columns cols in the activation dtype (output 0's), the folded norm's
+    1/rms applied first when scaled: what the XLA path's product holds."""
+    scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+    dtype = refs[-3].dtype  # output 0 (the outputs are the last three refs: it and the two pools)
+
+    def read(t: int, cols):
+        x = y_ref[row, jnp.int32(t), cols]
+        if scale_ref is not None:
+            x = x.astype(jnp.float32) * scale_ref[row, jnp.int32(t), jnp.int32(0)]
+        return x.astype(dtype)
+
+    return read, refs

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import call_on_product
+from .common import call_on_product, product_rows
 
 f32 = jnp.float32
 # Pages per tile of the page loop (one gathered load per pool; the next tile's loads in flight while one
@@ -62,13 +62,12 @@ def _round(x, dtype):
 
 
 def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
-    if scaled:
-        scale_ref, *refs = refs
+    r, h = pl.program_id(0), pl.program_id(1)
+    read_product, refs = product_rows(y_ref, refs, scaled, r)
     (qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, bt_ref, qpos_ref, old_ref, seq_ref, _k_in, _v_in,
      out_ref, k_pool_ref, v_pool_ref) = refs
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
-    r, h = pl.program_id(0), pl.program_id(1)
     group = Hq // Hkv
     hk = h // group
     dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
@@ -82,10 +81,7 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
 
     def product(t: int, cols):
         """Product row t at columns cols [D] in the activation dtype (the XLA path's product), as fp32."""
-        x = y_ref[r, jnp.int32(t), cols]
-        if scaled:
-            x = x.astype(f32) * scale_ref[r, jnp.int32(t), jnp.int32(0)]
-        return _round(x, dtype)
+        return read_product(t, cols).astype(f32)
 
     def normed_rotated(t: int, lo, w_ref):
         """rms_norm_1p then RoPE of the head at columns lo .. lo + D of product row t -> [D] fp32."""

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .common import call_on_product
+from .common import call_on_product, product_rows
 from .conv_pallas import conv_silu_rows, store_windows
 from .gdn_pallas import _delta_step, gated_norm, pooled_kernel_supports
 
@@ -53,26 +53,18 @@ def _softplus(x):
 
 
 def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, eps, scaled):
-    if scaled:
-        scale_ref, *refs = refs
+    b, hk = pl.program_id(0), pl.program_id(1)
+    product, refs = product_rows(y_ref, refs, scaled, b)  # product(t, cols): the unfused path's bf16 product
     (w_ref, alog_ref, dtb_ref, normw_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _conv_in, _ssm_in,
      out_ref, conv_ref, ssm_ref) = refs
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
-    b, hk = pl.program_id(0), pl.program_id(1)
     Hv = Hk * group
     Kd = Hk * dk
     C = 2 * Kd + Hv * dv
     dtype = out_ref.dtype
     slot, start, n = slot_ref[b], start_ref[b], nvalid_ref[b]
     fresh, verify = fresh_ref[b] != 0, verify_ref[b] != 0
-
-    def product(t, cols):
-        """Product row t at `cols` in the activation dtype (the unfused path's bf16 product)."""
-        x = y_ref[b, jnp.int32(t), cols]
-        if scaled:
-            x = x.astype(f32) * scale_ref[b, jnp.int32(t), jnp.int32(0)]
-        return x.astype(dtype)
 
     def conv(lo: int, width: int):
         """The conv outputs of channels [lo, lo + width) at every position (in the activation dtype, as the
