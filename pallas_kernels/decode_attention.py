@@ -44,7 +44,8 @@ f32 = jnp.float32
 # computes): two while the grid has at most DEEP_TILE_MAX_PROGRAMS programs (about one an SM: each program's own
 # loads in flight are what hides the latency), else one. On the H200 at the 0.8B widths, 96 keys a row in
 # the pages, kernel us a layer: batch 1 6.35 on two pages against 6.92 on one, batch 8 6.78 against 7.46,
-# batch 64 18.46 against 15.10; 4 warps (2: 9.1 at batch 1; 8: 7.4) (bench/results/decode-attention-probe-2_gpu_20261202.json).
+# batch 64 18.46 against 15.10; 4 warps (2: 9.1 at batch 1; 8: 7.4)
+# (bench/results/decode-attention-probe-2_gpu_20261202.json).
 PAGES_PER_STEP = None  # None: by the rule above
 DEEP_TILE_MAX_PROGRAMS = 128
 NUM_WARPS = 4
@@ -133,8 +134,8 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
         following = tile(step + 1)  # loads in flight while this tile computes (past the end: read, unused)
         kpos = step * PB * ps + rows
         old = kpos < old_len  # unwritten and this step's slots may hold anything: select, never multiply
-        k = k.astype(dtype).astype(f32)
-        v = jnp.where(old[:, None], v.astype(dtype).astype(f32), 0.0)
+        k = _round(k, dtype)
+        v = jnp.where(old[:, None], _round(v, dtype), 0.0)
         states = tuple(update(st, jnp.where(old & (kpos <= qpos[t]), score(k, qs[t][None, :]), -jnp.inf), v)
                        for t, st in enumerate(states))
         return following, states
@@ -142,12 +143,12 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
     init = tuple((jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((D,), f32)) for _ in range(Q))
     n_steps = (old_len + ps * PB - 1) // (ps * PB)
     _, states = lax.fori_loop(0, n_steps, pages, (tile(0), init))
+    # this step's keys from registers, as stored in the pool and read back
+    stored = [tuple(_round(x.astype(pool_dtype), dtype) for x in kv) for kv in zip(new_k, new_v)]
     for t in range(Q):
         state = states[t]
-        for j in range(Q):  # this step's keys, from registers
+        for j, (k, v) in enumerate(stored):
             seen = (qpos[j] >= 0) & (qpos[j] <= qpos[t]) & (qpos[j] < seq_len)
-            k = _round(new_k[j].astype(pool_dtype), dtype)  # as stored in the pool and read back
-            v = _round(new_v[j].astype(pool_dtype), dtype)
             s = jnp.where(seen, score(k, qs[t]), -jnp.inf)
             state = update(state, jnp.full((1,), s), v[None, :])
         _, l, acc = state
