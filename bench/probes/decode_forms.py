@@ -68,8 +68,9 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
     for batch in batches:
         r = engine_decode_ms(params, cfg, batch, 64, 32 if gpu else 4, fold_norms=form != "unfolded")
         result["rows"].append({"batch": batch, "ms_per_step": r["ms_per_step"],
-                               "device_ms_per_step": r["device_ms_per_step"]})
-        print(f"{form:13s} batch {batch:3d}: {r['ms_per_step']:.3f} ms/step (device {r['device_ms_per_step']:.3f})",
+                               "device_ms_per_step": r["device_ms_per_step"], "tokens_digest": r["tokens_digest"]})
+        print(f"{form:13s} batch {batch:3d}: {r['ms_per_step']:.3f} ms/step (device {r['device_ms_per_step']:.3f}) "
+              f"tokens {r['tokens_digest']}",
               flush=True)
         if out_path:
             with open(out_path, "w") as f:

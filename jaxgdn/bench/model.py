@@ -202,13 +202,24 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
            "host_phase_ms_per_step": phases,
            "steps": eng.num_steps, "launches": eng.num_launches, "generated": generated,
            "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
-           "spec": eng.spec_metrics() if K else None}
+           "spec": eng.spec_metrics() if K else None,
+           # greedy tokens are a function of the program's arithmetic: equal digests across processes that
+           # compiled the step differently (XLA flags, kernel forms) mean they computed the same tokens
+           "tokens_digest": tokens_digest(eng, first=16)}
     if profile_dir:
         from .common import profile_summary
 
         out["profile_engine_steps"] = profile_summary(profile_dir + "-engine", divide_by=max(traced, 1))
         out["profile_per_step"] = profile_replayed_steps(eng, profile_dir)
     return out
+
+
+def tokens_digest(eng, first: int) -> str:
+    """sha256 (16 hex digits) of each request's first `first` output tokens, in request order."""
+    import hashlib
+
+    tokens = [r.output_token_ids[:first] for _, r in sorted(eng.requests.items())]
+    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]
 
 
 def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
