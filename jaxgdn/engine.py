@@ -53,7 +53,8 @@ class LLMEngine:
         self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
                                   input_impl=input_impl,
                                   reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device,
-                                  rebases=ecfg.uses_async_scheduling and self.K > 0)
+                                  rebases=ecfg.uses_async_scheduling and self.K > 0,
+                                  fused_decode=ecfg.fused_decode_kernels)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

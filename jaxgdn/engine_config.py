@@ -52,6 +52,14 @@ class EngineConfig:
       0.906 to 0.875-0.882 ms (bench/results/decode-fold1-*_gpu_20261202.json). Same math; the rounding
       differs at the weight dtype's precision. False serves the loaded weights' values exactly (only
       concatenated, `params.fuse_projections`).
+    fused_decode_kernels: decode and verify rows run the layers' one-kernel forms between their two
+      products where the GDN / attention path runs Pallas kernels (a GPU, or gdn_impl "pallas_pool" /
+      attention_impl "pallas" elsewhere): the GDN mixer kernel for steps of at most
+      `paged_forward.MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
+      `paged_forward.DECODE_ATTENTION_MAX_QUERIES` cells. Same math as the chains they replace (tested
+      against them); False runs those chains, e.g. to rule the kernels out when chasing a problem. On the
+      H200 a 0.8B decode step at batch 8 took 1.013 ms against 1.074 with the attention chain and 1.097
+      against 1.130 with the GDN chain (device ms, bench/results/decode-forms-*-probe_gpu_20261202.json).
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
       waiting request could start and either every row is a plain decode with room for them (with async
       scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
@@ -82,6 +90,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     decode_steps_per_launch: int | None = None
     fold_norms: bool = True
+    fused_decode_kernels: bool = True
 
     def __post_init__(self):
         checks = [

@@ -65,6 +65,10 @@ def parse_args(argv=None):
                    help="serve the loaded weights' values exactly: keep each layer's RMSNorm weight apart instead "
                         "of folding it into the projections that read it (the default; same math, rounding at "
                         "the weight dtype's precision; one kernel fewer per norm in a single-token step)")
+    e.add_argument("--no-fused-decode-kernels", action="store_true",
+                   help="run decode and verify rows on the layers' kernel chains instead of the one-kernel GDN "
+                        "mixer and decode attention (same math; e.g. to rule those kernels out when chasing a "
+                        "problem). They run on a GPU, or off it with the Pallas paths asked for")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,
@@ -136,6 +140,7 @@ def main(argv=None) -> int:
             pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
             decode_steps_per_launch=args.decode_steps_per_launch, fold_norms=not args.no_fold_norms,
+            fused_decode_kernels=not args.no_fused_decode_kernels,
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

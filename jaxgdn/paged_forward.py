@@ -73,33 +73,35 @@ def write_kv(kv: PagedKV, slots, k, v, impl: str):
     return scatter(kv.k, k), scatter(kv.v, v)
 
 
-# Decode and verify rows (at most DECODE_ATTENTION_MAX_QUERIES cells each) run the attention layer between its
-# two products as one kernel (`pallas_kernels/decode_attention.py`) on a GPU or with impl "pallas"; False keeps
-# them on the XLA path (or the paged flash kernel with impl "pallas").
-DECODE_ATTENTION_KERNEL = True
+# With fused_decode (`EngineConfig.fused_decode_kernels`), decode and verify rows (at most
+# DECODE_ATTENTION_MAX_QUERIES cells each) run the attention layer between its two products as one kernel
+# (`pallas_kernels/decode_attention.py`) on a GPU or with impl "pallas"; without, the XLA path (or the paged
+# flash kernel with impl "pallas").
 DECODE_ATTENTION_MAX_QUERIES = 8
 
 
 def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: int, impl: str,
-                                whole_prompts: bool) -> bool:
+                                whole_prompts: bool, fused_decode: bool = True) -> bool:
     """Whether an attention layer's step of rows `queries` cells wide runs the one decode-attention kernel:
-    short rows that read pages (not a step of whole prompts), fused q/k/v weights (one product to read)
-    and tile-sized heads and pages."""
-    return (DECODE_ATTENTION_KERNEL and (impl == "pallas" or on_gpu()) and not whole_prompts
+    fused_decode on, short rows that read pages (not a step of whole prompts), fused q/k/v weights (one
+    product to read) and tile-sized heads and pages."""
+    return (fused_decode and (impl == "pallas" or on_gpu()) and not whole_prompts
             and queries <= DECODE_ATTENTION_MAX_QUERIES and p.fused is not None
             and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
 
 
-def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False):
+def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False,
+                    fused_decode: bool = True):
     """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
     row's pages. impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash
     kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow.
-    Short rows run everything between the two products as one kernel (`use_decode_attention_kernel`).
+    With fused_decode, short rows run everything between the two products as one kernel
+    (`use_decode_attention_kernel`).
     whole_prompts (static; the host sets it, see `StepArrays.whole_prompts`): every row starts at
     position 0 (seq_lens == num_valid), and impl "xla" reads the step's own K/V instead of the pages
     (`fresh_prompt_attention`: cuDNN's flash attention on a GPU)."""
     R, Q, _ = h.shape
-    if use_decode_attention_kernel(p, cfg, Q, kv.k.shape[1], impl, whole_prompts):
+    if use_decode_attention_kernel(p, cfg, Q, kv.k.shape[1], impl, whole_prompts, fused_decode):
         y, row_scale = linear_parts(h, p.fused)
         cos, sin = rope_cos_sin(cfg, view.positions, h.dtype)
         o, k_pool, v_pool = decode_attention_pooled(
@@ -181,33 +183,34 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
     return GDNSlots(conv=conv, ssm=slots.ssm.at[idx].set(final_ssm))
 
 
-# The GDN mixer kernel (`pallas_kernels/gdn_mixer.py`) for steps of at most MIXER_MAX_ROWS rows on the pool
-# kernel path; False runs the unfused chain (product scale, gates, conv kernel, pool kernel, gated norm) always.
+# With fused_decode (`EngineConfig.fused_decode_kernels`), the GDN mixer kernel (`pallas_kernels/gdn_mixer.py`)
+# for steps of at most MIXER_MAX_ROWS rows on the pool kernel path; without, the unfused chain (product scale,
+# gates, conv kernel, pool kernel, gated norm) always.
 # Its one program per (row, key head) holds whole state tiles: on the H200 at the 0.8B widths, alone, 6.3 us a
 # layer at batch 1 and 7.8 at batch 8 against ~9 (r21's in-model inventory) and an estimated ~12 for the
 # chain's five kernels, but 48.8 at batch 64 against 41 for the chain's conv and pool kernels, which split dv
 # over more programs (bench/results/gdn-mixer-probe_gpu_20261202.json). In the model (device ms a step):
 # batch 8 1.097 against 1.130, batch 16 1.249 against 1.290, batch 1 even (decode-forms-*-probe_gpu_20261202.json).
-MIXER_KERNEL = True
 MIXER_MAX_ROWS = 16
 
 
-def use_mixer_kernel(p, cfg: ModelConfig, rows: int) -> bool:
-    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: at most
-    MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product) and
+def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
+    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on, at
+    most MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product) and
     tile-sized heads of at most 128 x 128."""
-    return (MIXER_KERNEL and rows <= MIXER_MAX_ROWS and p.fused is not None
+    return (fused_decode and rows <= MIXER_MAX_ROWS and p.fused is not None
             and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
-def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str):
+def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str,
+             fused_decode: bool = True):
     """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
 
     With gdn_impl "pallas_pool", short rows (decode, spec verification) run the in-place pool kernel: it
     reads checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the
     pool, with no gathered copy of the states, after the conv kernel did the same for the conv windows
-    (`pallas_kernels/conv_pallas.py`); with fused weights one kernel does the conv, gates, recurrence and gated
-    norm (`use_mixer_kernel`). Otherwise the states are gathered, run, and scattered back."""
+    (`pallas_kernels/conv_pallas.py`); with fused weights and fused_decode one kernel does the conv, gates,
+    recurrence and gated norm (`use_mixer_kernel`). Otherwise the states are gathered, run, and scattered back."""
     kc = cfg.linear_conv_kernel_dim
     K = slots.ssm.shape[1] - 1
     Q = h.shape[1]
@@ -217,7 +220,7 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         out, new, checkpoints = res if K else (*res, None)
         return out, write_gdn_state(slots, view, new, checkpoints)
     offset = num_accepted[view.idx_mapping] - 1
-    if use_mixer_kernel(p, cfg, h.shape[0]):  # everything between the two products in one kernel
+    if use_mixer_kernel(p, cfg, h.shape[0], fused_decode):  # everything between the two products in one kernel
         y, row_scale = linear_parts(h, p.fused)
         out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
                                           slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
@@ -236,9 +239,11 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,
-                  attention_impl: str = "xla", rows_are_flat: bool | None = None, whole_prompts: bool = False):
+                  attention_impl: str = "xla", rows_are_flat: bool | None = None, whole_prompts: bool = False,
+                  fused_decode: bool = True):
     """input_ids: [T] flat tokens. Returns (hidden [T, H] after the final norm, the same hidden as
-    [R, Q, H], new EngineState). whole_prompts (static): see `paged_attention`.
+    [R, Q, H], new EngineState). whole_prompts (static): see `paged_attention`; fused_decode (static): see
+    `use_mixer_kernel` and `use_decode_attention_kernel`.
 
     rows_are_flat (static; default: single-token rows (Q == 1) or a single row (R == 1), when R*Q <= T):
     flat tokens [0, R*Q) are the [R, Q] view row by row (rows sit at cumulative offsets from 0, padding
@@ -269,7 +274,8 @@ def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowVie
     for i, layer_type in enumerate(cfg.layer_types):
         x, new_state = _paged_layer(params.layers[i], x, state.layers[i], view, state.num_accepted, token_cell,
                                     cfg=cfg, attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
-                                    attention_impl=attention_impl, whole_prompts=whole_prompts)
+                                    attention_impl=attention_impl, whole_prompts=whole_prompts,
+                                    fused_decode=fused_decode)
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     hidden_flat = jnp.pad(hidden, [(0, T - hidden.shape[0]), (0, 0)])
@@ -293,9 +299,10 @@ def _row_maps(view: RowView, num_tokens: int, token_cell):
     return (lambda x: jax.tree_util.tree_map(to_rows, x)), to_flat
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "whole_prompts"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "whole_prompts",
+                                             "fused_decode"))
 def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, cfg: ModelConfig, attention: bool,
-                 gdn_impl: str, attention_impl: str, whole_prompts: bool):
+                 gdn_impl: str, attention_impl: str, whole_prompts: bool, fused_decode: bool):
     """One decoder layer of `forward_paged` on flat tokens x [N, H] (N = R*Q when token_cell is None: the
     rows are the flat tokens reshaped; else N = T and token_cell [T] is each flat token's cell of the
     [R, Q] view, R*Q for none). Returns (x, the layer's new state).
@@ -312,24 +319,25 @@ def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, 
     def mixer(h_flat):
         h = to_rows(h_flat)
         if attention:
-            out, new_state = paged_attention(p.mixer, cfg, h, view, layer_state, attention_impl, whole_prompts)
+            out, new_state = paged_attention(p.mixer, cfg, h, view, layer_state, attention_impl, whole_prompts,
+                                             fused_decode)
         else:
-            out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl)
+            out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl, fused_decode)
         return to_flat(out), new_state
 
     return residual_block(p, cfg, x, mixer)
 
 
 def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple,
-              attention_impl: str = "xla", whole_prompts: bool = False):
+              attention_impl: str = "xla", whole_prompts: bool = False, fused_decode: bool = True):
     """The MTP head over [R, Q] cells: cell (r, j) gets the trunk hidden at its position and the token
     after it. Writes the MTP layer's own paged KV. Returns (mtp hidden [R, Q, H] after mtp.norm, layers).
-    whole_prompts (static): see `paged_attention`."""
+    whole_prompts, fused_decode (static): see `paged_attention`."""
     mtp = params.mtp
     x = mtp_fc_input(params, cfg, hidden, next_ids)
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
         x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(
-            layer.mixer, cfg, h, view, kv, attention_impl, whole_prompts))
+            layer.mixer, cfg, h, view, kv, attention_impl, whole_prompts, fused_decode))
         new_layers.append(kv)
     return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

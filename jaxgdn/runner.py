@@ -148,7 +148,7 @@ def _advance_rows(a: dict[str, Any], shift, live, page_size: int, fresh: bool = 
 
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
                  attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True,
-                 whole_prompts: bool = False):
+                 whole_prompts: bool = False, fused_decode: bool = True):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a["idx_mapping"].shape[0]
@@ -168,7 +168,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
         verify_path=a["verify_path"],
     )
     hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl, attention_impl,
-                                             whole_prompts=whole_prompts)
+                                             whole_prompts=whole_prompts, fused_decode=fused_decode)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
@@ -201,7 +201,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     if K and params.mtp is not None:
         new_drafts, mtp_layers = _propose_drafts(params, cfg, a, view, ids, hidden_rq, tokens, num_sampled,
                                                  n_draft, samples, last_token, mtp_layers, K, attention_impl,
-                                                 whole_prompts)
+                                                 whole_prompts, fused_decode)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed)
@@ -209,7 +209,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
 
 
 def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_sampled, n_draft, samples,
-                    last_token, mtp_layers, K, attention_impl, whole_prompts=False):
+                    last_token, mtp_layers, K, attention_impl, whole_prompts=False, fused_decode=True):
     """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form).
 
     Cell (r, j) of the step gets (trunk hidden at position p_j, token at p_j + 1): the next input token
@@ -233,7 +233,8 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
         block_tables=view.block_tables, seq_lens=view.seq_lens - num_rejected, idx_mapping=view.idx_mapping,
         fresh=view.fresh, verify_path=view.verify_path,
     )
-    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl, whole_prompts)
+    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl, whole_prompts,
+                              fused_decode)
     last_cell = jnp.clip(keep - 1, 0, Q - 1)
     h = jnp.take_along_axis(m, last_cell[:, None, None], 1)  # [R, 1, H]
     pos = jnp.take_along_axis(view.positions, last_cell[:, None], 1)  # [R, 1]
@@ -252,7 +253,8 @@ def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_s
             seq_lens=jnp.where(samples, pos[:, 0] + 1, 0), idx_mapping=view.idx_mapping,
             fresh=view.fresh, verify_path=view.verify_path,
         )
-        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers, attention_impl)
+        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers, attention_impl,
+                                  fused_decode=fused_decode)
         h = m
         draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
         drafts.append(draft)
@@ -296,11 +298,12 @@ class LaunchArgs(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla",
-                 rebases: bool = False):
+                 rebases: bool = False, fused_decode: bool = True):
     """One jitted step function per static setting, shared by every runner in the process, so engines
     built with the same model and settings reuse each other's compiled buckets."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
-                                     input_impl=input_impl, unguarded=unguarded, rebases=rebases),
+                                     input_impl=input_impl, unguarded=unguarded, rebases=rebases,
+                                     fused_decode=fused_decode),
                    donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
 
 
@@ -311,7 +314,7 @@ class ModelRunner:
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
-                 attention_impl: str = "xla", rebases: bool = False):
+                 attention_impl: str = "xla", rebases: bool = False, fused_decode: bool = True):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
@@ -324,7 +327,9 @@ class ModelRunner:
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
-        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases)
+        # fused_decode: EngineConfig.fused_decode_kernels
+        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases,
+                                  fused_decode)
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""

@@ -51,11 +51,12 @@ def attention_case(Q, dtype, seed=0, **overrides):
     return cfg, p, x, view, PagedKV(k=jnp.asarray(k_pool, dtype), v=jnp.asarray(v_pool, dtype))
 
 
-def run_layer(monkeypatch, kernel: bool, cfg, p, h, view, kv):
-    monkeypatch.setattr(paged_forward, "DECODE_ATTENTION_KERNEL", kernel)
+def run_layer(kernel: bool, cfg, p, h, view, kv):
+    """The layer on the one kernel (impl "pallas", fused_decode on) or on the XLA chain (impl "xla" and
+    fused_decode off, so even on a GPU)."""
     impl = "pallas" if kernel else "xla"
-    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, False) == kernel
-    return jax.jit(lambda h, kv: paged_attention(p, cfg, h, view, kv, impl))(h, kv)
+    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, False, fused_decode=kernel) == kernel
+    return jax.jit(lambda h, kv: paged_attention(p, cfg, h, view, kv, impl, fused_decode=kernel))(h, kv)
 
 
 def assert_same_layer(got, want, view, kv, atol):
@@ -77,8 +78,8 @@ def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pag
     activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages."""
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
     cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
-    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
-    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    want = run_layer(False, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv)
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
@@ -89,16 +90,16 @@ def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch,
     monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
     cfg, p, x, view, kv = attention_case(2, dtype, seed=7)
     h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
-    want = run_layer(monkeypatch, False, cfg, p, h, view, kv)
-    got = run_layer(monkeypatch, True, cfg, p, h, view, kv)
+    want = run_layer(False, cfg, p, h, view, kv)
+    got = run_layer(True, cfg, p, h, view, kv)
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch):
+def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head():
     """RoPE over the whole head (no pass-through part) and all query heads on one KV head."""
     cfg, p, x, view, kv = attention_case(2, jnp.float32, seed=3, partial_rotary_factor=1.0, num_key_value_heads=1)
-    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
-    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    want = run_layer(False, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv)
     assert_same_layer(got, want, view, kv, 2e-5)
 
 
@@ -110,6 +111,7 @@ def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", True)  # whole prompts read their own K/V
     assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, "pallas", False)
     assert not use_decode_attention_kernel(p, cfg, 1, PS, "xla", False)  # on CPU only when asked for
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", False, fused_decode=False)  # switched off
     assert decode_attention_supports(256, 16, 64) and not decode_attention_supports(96, 16, 24)
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
@@ -127,3 +129,48 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu():
         dtype=bf, interpret=False)
     text = jax.jit(fn).trace(y, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_engine_fused_decode_kernels_switch(monkeypatch, fused):
+    """EngineConfig.fused_decode_kernels picks the one-kernel forms (GDN mixer, decode attention) or the chains
+    for decode and MTP verify rows, in the trunk and the MTP layer (kernels in interpret mode: the pool
+    path and the paged attention asked for); either way every request equals one-request greedy decoding."""
+    from helpers import naive_greedy
+    from jaxgdn import runner
+    from jaxgdn.engine import LLMEngine
+    from jaxgdn.engine_config import EngineConfig
+    from jaxgdn.request import SamplingParams
+
+    calls = {"mixer": 0, "attention": 0}  # kernel calls traced into the step programs
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    # traces cached by earlier tests would skip the counters: start from empty caches of the two jits
+    paged_forward._paged_layer.clear_cache()
+    runner._jitted_step.cache_clear()
+    monkeypatch.setattr(paged_forward, "gdn_mixer_pooled", counted("mixer", paged_forward.gdn_mixer_pooled))
+    monkeypatch.setattr(paged_forward, "decode_attention_pooled",
+                        counted("attention", paged_forward.decode_attention_pooled))
+    cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)  # dv a power of two: the pool kernels' tiles
+    params = init_random_params(cfg, seed=5)
+    rng = np.random.default_rng(9)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (2, 9, 21)]
+    ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=PS,
+                        dtype="float32", num_speculative_tokens=2, gdn_impl="pallas_pool", attention_impl="pallas",
+                        fused_decode_kernels=fused, compilation_cache=False)
+    eng = LLMEngine(params, cfg, ecfg)
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    while eng.has_unfinished:
+        eng.step()
+    for rid, p in zip(rids, prompts):
+        assert eng.requests[rid].output_token_ids == naive_greedy(params, cfg, p, 5)
+    if fused:
+        assert calls["mixer"] > 0 and calls["attention"] > 0
+    else:
+        assert calls == {"mixer": 0, "attention": 0}

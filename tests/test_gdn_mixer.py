@@ -40,10 +40,10 @@ def mixer_case(T, K, dtype, seed=0, Hk=2, Hv=4, dk=16, dv=32):
     return cfg, p, x, view, GDNSlots(conv=conv, ssm=ssm), num_accepted
 
 
-def run_rows(monkeypatch, mixer: bool, cfg, p, h, view, slots, num_accepted):
-    monkeypatch.setattr(paged_forward, "MIXER_KERNEL", mixer)
-    assert use_mixer_kernel(p, cfg, h.shape[0]) == mixer
-    fn = jax.jit(lambda h, slots: gdn_rows(p, cfg, h, view, slots, num_accepted, "pallas_pool"))
+def run_rows(mixer: bool, cfg, p, h, view, slots, num_accepted):
+    """The pool path's rows on the one mixer kernel (fused_decode on) or on the unfused chain."""
+    assert use_mixer_kernel(p, cfg, h.shape[0], fused_decode=mixer) == mixer
+    fn = jax.jit(lambda h, slots: gdn_rows(p, cfg, h, view, slots, num_accepted, "pallas_pool", fused_decode=mixer))
     return fn(h, slots)
 
 
@@ -59,12 +59,12 @@ def assert_same_rows(got, want, view, atol):
 
 @pytest.mark.parametrize("T, K, dtype", [(1, 0, jnp.float32), (3, 2, jnp.float32), (4, 3, jnp.bfloat16),
                                          (2, 1, jnp.bfloat16)])
-def test_mixer_kernel_equals_the_unfused_chain(monkeypatch, T, K, dtype):
+def test_mixer_kernel_equals_the_unfused_chain(T, K, dtype):
     """Decode (K = 0) and verify windows, a key head shared by two value heads, fp32 and bf16 activations
     from a plain (pre-normed) input; the conv windows bit for bit (copies of inputs)."""
     cfg, p, x, view, slots, num_accepted = mixer_case(T, K, dtype, seed=T + K)
-    want = run_rows(monkeypatch, False, cfg, p, x, view, slots, num_accepted)
-    got = run_rows(monkeypatch, True, cfg, p, x, view, slots, num_accepted)
+    want = run_rows(False, cfg, p, x, view, slots, num_accepted)
+    got = run_rows(True, cfg, p, x, view, slots, num_accepted)
     assert not np.array_equal(np.asarray(got[1].ssm), np.asarray(slots.ssm))  # the case does write states
     assert_same_rows(got, want, view, 2e-2 if dtype == jnp.bfloat16 else 2e-5)
 
@@ -76,8 +76,8 @@ def test_mixer_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
     monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
     cfg, p, x, view, slots, num_accepted = mixer_case(2, 1, dtype, seed=11)
     h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
-    want = run_rows(monkeypatch, False, cfg, p, h, view, slots, num_accepted)
-    got = run_rows(monkeypatch, True, cfg, p, h, view, slots, num_accepted)
+    want = run_rows(False, cfg, p, h, view, slots, num_accepted)
+    got = run_rows(True, cfg, p, h, view, slots, num_accepted)
     assert_same_rows(got, want, view, 2e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
@@ -86,6 +86,7 @@ def test_mixer_kernel_runs_where_its_tiles_and_weights_allow():
     assert use_mixer_kernel(p, cfg, paged_forward.MIXER_MAX_ROWS)
     assert not use_mixer_kernel(p, cfg, paged_forward.MIXER_MAX_ROWS + 1)  # larger steps: the chain's kernels
     assert not use_mixer_kernel(dataclasses.replace(p, fused=None), cfg, 1)  # b and a must sit in the product
+    assert not use_mixer_kernel(p, cfg, 1, fused_decode=False)  # switched off
     assert mixer_kernel_supports(128, 128) and not mixer_kernel_supports(24, 32)
     assert not mixer_kernel_supports(128, 256)  # the whole state tile lives in one program's registers
 

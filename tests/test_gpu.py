@@ -92,7 +92,7 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
 
 
 @pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])
-def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(monkeypatch, T, K, dtype):
+def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T, K, dtype):
     """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128: one
     whole state tile per program) against the compiled unfused chain; test_gdn_mixer.py runs the smaller
     cases (and, interpreted, on CPU)."""
@@ -102,8 +102,8 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(m
 
     dt = jnp.dtype(dtype)
     case = mixer_case(T, K, dt, seed=T, Hk=16, Hv=16, dk=128, dv=128)
-    want = run_rows(monkeypatch, False, *case)
-    got = run_rows(monkeypatch, True, *case)
+    want = run_rows(False, *case)
+    got = run_rows(True, *case)
     assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
@@ -122,8 +122,8 @@ def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chai
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
     dt = jnp.dtype(dtype)
     cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
-    want = run_layer(monkeypatch, False, cfg, p, x, view, kv)
-    got = run_layer(monkeypatch, True, cfg, p, x, view, kv)
+    want = run_layer(False, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv)
     assert_same_layer(got, want, view, kv, 3e-2 if dt == jnp.bfloat16 else 1e-4)
 
 

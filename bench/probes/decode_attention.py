@@ -2,7 +2,7 @@
 
     python bench/probes/decode_attention.py OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); CPU: a run check only
 
-Forms: `xla` the chain the engine ran before r23 (`paged_forward.DECODE_ATTENTION_KERNEL = False`: q/k norms, RoPE,
+Forms: `xla` the chain the engine ran before r23 (`fused_decode=False`: q/k norms, RoPE,
 the KV write kernel, the page gather, scores, softmax, P·V, the gate); `pb<P>-w<W>` the kernel
 (`pallas_kernels/decode_attention.py`) loading P pages per step of its page loop on W warps. Each call runs
 `paged_attention` (the q/k/v product, the part between, o_proj) over LAYERS distinct pools in a chain, as a
@@ -63,13 +63,13 @@ def main(out_path, batches=(1, 8, 64)):
     for R in batches:
         p, pools, view, h = case(cfg, R)
         for form in FORMS if gpu else ("xla", "pb4-w4"):
-            paged_forward.DECODE_ATTENTION_KERNEL = form != "xla"
             if form != "xla":
                 decode_attention.PAGES_PER_STEP = int(form[2 : form.index("-")])
                 decode_attention.NUM_WARPS = int(form.split("-w")[1])
 
             def chain(h, pools):
-                return [paged_attention(p, cfg, h, view, kv, "pallas" if form != "xla" else "xla") for kv in pools]
+                return [paged_attention(p, cfg, h, view, kv, "pallas" if form != "xla" else "xla",
+                                        fused_decode=form != "xla") for kv in pools]
 
             prof = profile_calls(jax.jit(chain), h, pools, iters=10 if gpu else 1, divide_by=(10 if gpu else 1) * LAYERS)
             row = {"batch": R, "form": form, "us_per_layer": round(prof["busy_us"], 2),

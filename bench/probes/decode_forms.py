@@ -12,9 +12,10 @@ FORM is one of
                0.3-1 us slower than with the plain norm in front
     bf16-out   the folded norm's product in x's dtype (no fp32 output), then scaled
     unfused-mixer  the GDN layer's pool-kernel rows on the unfused chain (gates, conv kernel, pool kernel, gated
-               norm; `paged_forward.MIXER_KERNEL = False`) instead of r22's one mixer kernel
+               norm; `paged_forward.use_mixer_kernel` patched to say no) instead of r22's one mixer kernel
     xla-attention  the attention layers' decode rows on the XLA chain (q/k norms, RoPE, KV write kernel, page
-               gather, softmax, gate; `paged_forward.DECODE_ATTENTION_KERNEL = False`) instead of r23's one kernel
+               gather, softmax, gate; `paged_forward.use_decode_attention_kernel` patched to say no) instead of
+               r23's one kernel (EngineConfig.fused_decode_kernels=False turns off both)
 Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
 the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
@@ -58,8 +59,12 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
     patched = _product_form(form)
     if patched is not None:
         norms.DeferredNorm.product = patched
-    paged_forward.MIXER_KERNEL = form != "unfused-mixer"
-    paged_forward.DECODE_ATTENTION_KERNEL = form != "xla-attention"
+    # One of the two one-kernel forms off (EngineConfig.fused_decode_kernels switches both): the layers look
+    # these up at trace time, and this process traces each program once.
+    if form == "unfused-mixer":
+        paged_forward.use_mixer_kernel = lambda *args, **kwargs: False
+    if form == "xla-attention":
+        paged_forward.use_decode_attention_kernel = lambda *args, **kwargs: False
     gpu = on_gpu()
     params, cfg = load_model("qwen3.5-0.8b" if gpu else "checkpoints/qwen35-tiny-arith")
     result = {"benchmark": "decode-forms-probe", "form": form, "rows": [], "env": environment(),

@@ -31,7 +31,7 @@ bf = jnp.bfloat16
 
 
 def unfused(y, row_scale, w, A_log, dt_bias, norm_w, eps, conv, ssm, slots, start, fresh, verify, num_valid):
-    """The engine's chain before the mixer kernel (paged_forward.gdn_rows with MIXER_KERNEL = False)."""
+    """The engine's chain before the mixer kernel (paged_forward.gdn_rows with fused_decode=False)."""
     B, T, _ = y.shape
     source = (y * row_scale).astype(bf)
     _, z, b, a = split_outputs(source, (C, Hk * dk, Hk, Hk))

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
             m.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
                            help="EngineConfig.decode_steps_per_launch (default: the engine's, 4 on a GPU, 1 "
                                 "elsewhere); ms/step divides the timed calls by the tokens per row they produced")
+            m.add_argument("--fused-decode-kernels", default="on", choices=["on", "off"],
+                           help="EngineConfig.fused_decode_kernels: the one-kernel GDN mixer and decode attention "
+                                "for decode rows (off: the kernel chains they replace)")
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")
