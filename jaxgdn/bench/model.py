@@ -124,7 +124,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     last untimed call is on the device when the timed window opens, so the window holds its device time;
     its tokens come back inside the window. (Counting launched tokens, as results before r7 (2026-11-30) did,
     charged that launch's time to the later launches: up to 1.43x too high with 4 steps per launch, see
-    README, Performance, r7.)"""
+    docs/gpu-log.md, r7.)"""
     import jax
 
     from ..request import PLACEHOLDER_TOKEN, SamplingParams
