@@ -7,7 +7,9 @@ all: one program per (row, query head) normalizes and rotates its query and its 
 row's few new tokens, writes the new K/V into the paged pools in place, attends over the row's pages (keys
 written by earlier steps) and over the new keys held in registers, and stores the gated output in o_proj's
 input layout. Reading this step's keys from registers rather than from the pages the kernel writes means
-no program depends on another's stores.
+no program depends on another's stores. A grouped form (`_grouped_kernel`, off by default until measured:
+GROUPED_MIN_ROWS) runs one program per (row, KV head) instead, the group's query heads and the row's tokens
+as the rows of matrix products, so a KV head's pages are read once rather than once per query head.
 
     y           [R, Q, N]  the fused projection: q_proj (per head [query_h ‖ gate_h], 2*Hq*D), k_proj (Hkv*D),
                            v_proj (Hkv*D); in the activation dtype, or fp32 with row_scale
@@ -24,8 +26,9 @@ Semantics are `jaxgdn.attention.project_qkv_gate` + `paged_forward.write_kv` + t
 `gqa_attention` + the sigmoid gate (tests/test_decode_attention.py compares them), rounding where those round
 (the normed and rotated q/k, the scores before and after scaling, the output before the gate); the softmax
 runs online in fp32 over unnormalized probabilities (the gather path casts normalized ones to the activation
-dtype before P·V). Padding cells write their K/V to their slots (the null page) as write_kv does; their
-outputs are zeros.
+dtype before P·V; the grouped form rounds the probabilities to the activation dtype for its P·V product,
+unnormalized). Padding cells write their K/V to their slots (the null page) as write_kv does; their outputs
+are zeros.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ f32 = jnp.float32
 PAGES_PER_STEP = None  # None: by the rule above
 DEEP_TILE_MAX_PROGRAMS = 128
 NUM_WARPS = 4
+# The grouped form (`_grouped_kernel`: one program per (row, KV head), the group's query heads on matrix
+# products, each KV head's pages read once instead of once per query head) for steps of at least this many
+# rows; None: never. Not yet measured on the GPU (r24 wrote it after the session's device time was spent), so
+# it is off until `bench/probes/decode_attention.py` (forms "g-*") shows where it pays.
+GROUPED_MIN_ROWS = None
 
 
 def decode_attention_supports(head_dim: int, page_size: int, rotary_dim: int) -> bool:
@@ -62,46 +70,76 @@ def _round(x, dtype):
     return x.astype(dtype).astype(f32)
 
 
+def _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D: int, rot: int, eps: float, dtype):
+    """(product, normed_rotated) for grid row r. product(t, cols): the product at token t and columns cols as
+    fp32 (what the XLA path's product holds). normed_rotated(t, lo, key): rms_norm_1p (q_norm or k_norm) then
+    RoPE of the head whose columns start at lo. t is a static int and lo a scalar (-> [D]), or both are
+    [M, 1] arrays, one token and head per row (-> [M, D]); rotate-half reads the partner columns."""
+    d = lax.iota(jnp.int32, D)
+    half = rot // 2
+    partner = jnp.where(d < half, d + half, jnp.where(d < rot, d - half, d))
+    in_rot = d < rot
+    rot_col = jnp.where(in_rot, d, 0)
+    sin_sign = jnp.where(d < half, -1.0, jnp.where(in_rot, 1.0, 0.0))
+
+    def product(t, cols):
+        return read_product(t, cols).astype(f32)
+
+    def normed_rotated(t, lo, key: bool):
+        w_ref = kn_ref if key else qn_ref
+        x, xp = product(t, lo + d), product(t, lo + partner)
+        inv = lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / D + eps)
+        x = _round(x * inv * (1.0 + w_ref[...].astype(f32)), dtype)
+        xp = _round(xp * inv * (1.0 + w_ref[partner].astype(f32)), dtype)
+        # index arrays of one rank (Triton's lowering broadcasts within a rank only)
+        tt, cols = (jnp.int32(t), rot_col) if isinstance(t, int) else (t, rot_col[None, :])
+        cos = jnp.where(in_rot, cos_ref[r, tt, cols].astype(f32), 1.0)
+        sin = sin_ref[r, tt, cols].astype(f32) * sin_sign
+        return _round(_round(x * cos, dtype) + _round(xp * sin, dtype), dtype)
+
+    return product, normed_rotated
+
+
+def _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB: int):
+    """tile(step): the keys and values of KV head hk in pages step*PB .. step*PB+PB-1 of row r's block table,
+    [PB * ps, D] each, as stored (one gathered load per pool); and the tile's key rows [PB * ps]."""
+    ps, MP = k_pool_ref.shape[1], bt_ref.shape[1]
+    rows = lax.iota(jnp.int32, PB * ps)
+
+    def tile(step):
+        pid = bt_ref[r, jnp.minimum(step * PB + rows // ps, MP - 1)]
+        return k_pool_ref[pid, rows % ps, hk, :], v_pool_ref[pid, rows % ps, hk, :]
+
+    return tile, rows
+
+
+def _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q: int, new_k, new_v, writer=True):
+    """This step's K/V of KV head hk (Q lists of [D]) into the pools at the cells' flat slots, in place."""
+    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    ps, D = k_pool_ref.shape[1], k_pool_ref.shape[3]
+    for t in range(Q):
+        slot = slot_ref[r * Q + t]
+        page, offset = slot // ps, slot % ps
+        mask = jnp.full((D,), writer)
+        plt.store(k_pool_ref.at[page, offset, hk, :], new_k[t].astype(k_pool_ref.dtype), mask=mask)
+        plt.store(v_pool_ref.at[page, offset, hk, :], new_v[t].astype(v_pool_ref.dtype), mask=mask)
+
+
 def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
+    """One program per (row, query head); see the module docstring."""
     r, h = pl.program_id(0), pl.program_id(1)
     read_product, refs = product_rows(y_ref, refs, scaled, r)
     (qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, bt_ref, qpos_ref, old_ref, seq_ref, _k_in, _v_in,
      out_ref, k_pool_ref, v_pool_ref) = refs
-    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
-
     group = Hq // Hkv
     hk = h // group
     dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
-    ps, MP = k_pool_ref.shape[1], bt_ref.shape[1]
+    ps = k_pool_ref.shape[1]
     scale = D**-0.5
     d = lax.iota(jnp.int32, D)
-    half = rot // 2
-    partner = jnp.where(d < half, d + half, jnp.where(d < rot, d - half, d))  # rotate-half's other element
-    in_rot = d < rot
-    rot_col = jnp.where(in_rot, d, 0)
-
-    def product(t: int, cols):
-        """Product row t at columns cols [D] in the activation dtype (the XLA path's product), as fp32."""
-        return read_product(t, cols).astype(f32)
-
-    def normed_rotated(t: int, lo, w_ref):
-        """rms_norm_1p then RoPE of the head at columns lo .. lo + D of product row t -> [D] fp32."""
-        x, xp = product(t, lo + d), product(t, lo + partner)
-        inv = lax.rsqrt(jnp.sum(x * x) / D + eps)
-        x = _round(x * inv * (1.0 + w_ref[...].astype(f32)), dtype)
-        xp = _round(xp * inv * (1.0 + w_ref[partner].astype(f32)), dtype)
-        cos = jnp.where(in_rot, cos_ref[r, jnp.int32(t), rot_col].astype(f32), 1.0)
-        sin = sin_ref[r, jnp.int32(t), rot_col].astype(f32)
-        sin = jnp.where(d < half, -sin, jnp.where(in_rot, sin, 0.0))
-        return _round(_round(x * cos, dtype) + _round(xp * sin, dtype), dtype)
-
-    rows = lax.iota(jnp.int32, PB * ps)  # key rows of one tile: PB pages
-
-    def tile(step):
-        """Keys and values of the tile's PB pages, [PB * ps, D] each, as stored (one gather per pool)."""
-        pid = bt_ref[r, jnp.minimum(step * PB + rows // ps, MP - 1)]
-        return k_pool_ref[pid, rows % ps, hk, :], v_pool_ref[pid, rows % ps, hk, :]
-
+    product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
+    tile, rows = _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB)
     # The first tile's loads go out before the prologue below (norms, RoPE, the KV write), so at small grids
     # their latency hides behind it: kernel us a layer at batch 1 6.23 against 6.35, batch 8 6.65 against
     # 6.78, batch 64 (one-page tiles) 15.24 against 15.10 (decode-attention-probe-r24 / -probe-2). They may
@@ -109,19 +147,13 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
     first_tile = tile(0)
 
     k_lo, v_lo = 2 * Hq * D + hk * D, 2 * Hq * D + Hkv * D + hk * D
-    qs = [normed_rotated(t, h * 2 * D, qn_ref) for t in range(Q)]
-    new_k = [normed_rotated(t, k_lo, kn_ref) for t in range(Q)]
+    qs = [normed_rotated(t, h * 2 * D, key=False) for t in range(Q)]
+    new_k = [normed_rotated(t, k_lo, key=True) for t in range(Q)]
     new_v = [product(t, v_lo + d) for t in range(Q)]
     qpos = [qpos_ref[r, jnp.int32(t)] for t in range(Q)]
     old_len, seq_len = old_ref[r], seq_ref[r]
-
-    writer = h % group == 0  # one program of the KV head writes its new K/V
-    for t in range(Q):
-        slot = slot_ref[r * Q + t]
-        page, offset = slot // ps, slot % ps
-        mask = jnp.full((D,), writer)
-        plt.store(k_pool_ref.at[page, offset, hk, :], new_k[t].astype(pool_dtype), mask=mask)
-        plt.store(v_pool_ref.at[page, offset, hk, :], new_v[t].astype(pool_dtype), mask=mask)
+    # one program of the KV head writes its new K/V
+    _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v, writer=h % group == 0)
 
     def score(k, q):  # q·k for k [..., D]: rounded as the XLA path's einsum output, then its scaled value
         return _round(_round(jnp.sum(k * q, axis=-1), dtype) * scale, dtype)
@@ -163,13 +195,89 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
         out_ref[r, jnp.int32(t), pl.ds(h * D, D)] = (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype)
 
 
+def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
+    """One program per (row, KV head): the group's Hq/Hkv query heads x Q tokens as M matrix rows (row i is
+    cell i mod (group * Q): token (i mod group*Q) // group, head hk * group + i mod group; rows past group * Q
+    repeat earlier ones, so every row is real and their duplicate stores write equal values), scored against
+    each page tile with one [M, D] x [D, tile] product and accumulated with one [M, tile] x [tile, D]
+    product: each KV head's keys and values are read once for its group instead of once per query head."""
+    r, hk = pl.program_id(0), pl.program_id(1)
+    read_product, refs = product_rows(y_ref, refs, scaled, r)
+    (qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, bt_ref, qpos_ref, old_ref, seq_ref, _k_in, _v_in,
+     out_ref, k_pool_ref, v_pool_ref) = refs
+    group = Hq // Hkv
+    dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
+    ps = k_pool_ref.shape[1]
+    scale = D**-0.5
+    d = lax.iota(jnp.int32, D)
+    precision = lax.Precision.HIGHEST if dtype == jnp.dtype(f32) else None  # fp32 activations: no TF32
+    product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
+    tile, rows = _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB)
+    first_tile = tile(0)  # in flight during the prologue, as in _attention_kernel
+
+    cell = lax.iota(jnp.int32, M) % (group * Q)
+    t_row = (cell // group)[:, None]  # [M, 1] token of each matrix row
+    h_row = (hk * group + cell % group)[:, None]  # [M, 1] query head of each matrix row
+    q = normed_rotated(t_row, h_row * 2 * D, key=False)  # [M, D]
+    k_lo, v_lo = 2 * Hq * D + hk * D, 2 * Hq * D + Hkv * D + hk * D
+    new_k = [normed_rotated(t, k_lo, key=True) for t in range(Q)]
+    new_v = [product(t, v_lo + d) for t in range(Q)]
+    qpos_row = qpos_ref[r, t_row[:, 0]]  # [M]
+    qpos = [qpos_ref[r, jnp.int32(t)] for t in range(Q)]
+    old_len, seq_len = old_ref[r], seq_ref[r]
+    _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v)  # this program owns the KV head
+
+    def scaled_scores(raw):  # rounded as the XLA path's einsum output, then its scaled value
+        return _round(_round(raw, dtype) * scale, dtype)
+
+    def update(state, s, pv):
+        """Online softmax of the M rows: state (m [M], l [M], acc [M, D]); s scores [M, n] (-inf: not
+        visible); pv(p) -> [M, D], the probabilities p [M, n] times the values."""
+        m, l, acc = state
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: stay at zero
+        p = jnp.exp(s - shift[:, None])
+        corr = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - shift))
+        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv(p)
+
+    q_op = q.astype(dtype)
+
+    def pages(step, carry):
+        (k, v), state = carry
+        following = tile(step + 1)  # loads in flight while this tile computes (past the end: read, unused)
+        kpos = step * PB * ps + rows
+        old = kpos < old_len  # unwritten and this step's slots may hold anything: select, never multiply
+        k = k.astype(dtype)
+        v = jnp.where(old[:, None], v.astype(dtype), jnp.zeros((), dtype))
+        raw = jnp.dot(q_op, k.T, preferred_element_type=f32, precision=precision)  # [M, n]
+        s = jnp.where(old[None, :] & (kpos[None, :] <= qpos_row[:, None]), scaled_scores(raw), -jnp.inf)
+        pv = lambda p: jnp.dot(p.astype(dtype), v, preferred_element_type=f32, precision=precision)  # noqa: E731
+        return following, update(state, s, pv)
+
+    init = (jnp.full((M,), -jnp.inf, f32), jnp.zeros((M,), f32), jnp.zeros((M, D), f32))
+    n_steps = (old_len + ps * PB - 1) // (ps * PB)
+    _, state = lax.fori_loop(0, n_steps, pages, (first_tile, init))
+    for j in range(Q):  # this step's keys from registers, as stored in the pool and read back
+        k, v = (_round(x.astype(pool_dtype), dtype) for x in (new_k[j], new_v[j]))
+        seen = (qpos[j] >= 0) & (qpos[j] <= qpos_row) & (qpos[j] < seq_len)  # [M]
+        s = jnp.where(seen, scaled_scores(jnp.sum(q * k[None, :], axis=1)), -jnp.inf)
+        state = update(state, s[:, None], lambda p: p * v[None, :])
+    _, l, acc = state
+    attn = _round(acc / jnp.maximum(l, 1e-30)[:, None], dtype)
+    gate = product(t_row, h_row * 2 * D + D + d)
+    out_ref[r, t_row, h_row * D + d] = (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype)
+
+
 def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, k_pool, v_pool, kv_slots,
                             block_tables, q_positions, old_lens, seq_lens, *, num_heads: int, dtype=None,
-                            interpret=None, num_warps: int | None = None, pages_per_step: int | None = None):
+                            interpret=None, num_warps: int | None = None, pages_per_step: int | None = None,
+                            grouped: bool | None = None):
     """The gated attention of short rows over the paged pools, written in place; shapes and semantics in the
     module docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of
     row_scale). Rows' new cells must use distinct slots (padding cells may share the null page's).
-    num_warps, pages_per_step (pages per tile of the page loop): default NUM_WARPS, PAGES_PER_STEP's rule."""
+    num_warps, pages_per_step (pages per tile of the page loop): default NUM_WARPS, PAGES_PER_STEP's rule.
+    grouped: one program per (row, KV head) with the group's query heads on matrix products
+    (`_grouped_kernel`) instead of one per (row, query head); default GROUPED_MIN_ROWS's rule."""
     R, Q, N = y.shape
     _, ps, Hkv, D = k_pool.shape
     rot = cos.shape[-1]
@@ -178,11 +286,18 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     dtype = jnp.dtype(dtype or y.dtype)
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
     scaled = row_scale is not None
-    pages_per_step = pages_per_step or PAGES_PER_STEP or (2 if R * num_heads <= DEEP_TILE_MAX_PROGRAMS else 1)
-    kernel = functools.partial(_attention_kernel, Q=Q, Hq=num_heads, Hkv=Hkv, D=D, rot=rot, eps=float(eps),
-                               scaled=scaled, PB=pages_per_step)
+    if grouped is None:
+        grouped = GROUPED_MIN_ROWS is not None and R >= GROUPED_MIN_ROWS
+    programs = R * (Hkv if grouped else num_heads)
+    pages_per_step = pages_per_step or PAGES_PER_STEP or (2 if programs <= DEEP_TILE_MAX_PROGRAMS else 1)
+    common = dict(Q=Q, Hq=num_heads, Hkv=Hkv, D=D, rot=rot, eps=float(eps), scaled=scaled, PB=pages_per_step)
+    if grouped:  # matrix rows: the group's heads x Q tokens; every dot dimension at least 16 (Triton's smallest)
+        common["PB"] = max(pages_per_step, -(-16 // ps))
+        kernel = functools.partial(_grouped_kernel, M=max(16, pl.next_power_of_2(num_heads // Hkv * Q)), **common)
+    else:
+        kernel = functools.partial(_attention_kernel, **common)
     inputs = (q_norm, k_norm, cos, sin, i32(kv_slots), i32(block_tables), i32(q_positions), i32(old_lens),
               i32(seq_lens))
     return call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool),
-                           jax.ShapeDtypeStruct((R, Q, num_heads * D), dtype), (R, num_heads),
+                           jax.ShapeDtypeStruct((R, Q, num_heads * D), dtype), (R, Hkv if grouped else num_heads),
                            num_warps or NUM_WARPS, interpret)

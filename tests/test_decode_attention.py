@@ -71,23 +71,28 @@ def assert_same_layer(got, want, view, kv, atol):
         assert np.isfinite(new).sum() == np.isfinite(old).sum() + valid.sum() * ref.shape[2] * ref.shape[3]
 
 
-@pytest.mark.parametrize("Q, dtype, pages_per_tile", [(1, jnp.float32, 1), (3, jnp.float32, 2), (1, jnp.bfloat16, 2),
-                                                      (4, jnp.bfloat16, 1), (2, jnp.float32, 4)])
-def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile):
+@pytest.mark.parametrize("Q, dtype, pages_per_tile, grouped", [
+    (1, jnp.float32, 1, False), (3, jnp.float32, 2, False), (1, jnp.bfloat16, 2, False), (4, jnp.bfloat16, 1, False),
+    (2, jnp.float32, 4, False), (1, jnp.float32, 1, True), (3, jnp.bfloat16, 2, True), (8, jnp.float32, 1, True)])
+def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile, grouped):
     """Decode (one cell) and verify windows, GQA (two query heads per KV head), partial RoPE, fp32 and bf16
-    activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages."""
+    activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages; one program per
+    query head, or per KV head with the group's heads on matrix products (grouped: 2 heads x Q tokens as
+    16 matrix rows, duplicates included, or exactly 16 at Q = 8)."""
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
     cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
     want = run_layer(False, cfg, p, x, view, kv)
     got = run_layer(True, cfg, p, x, view, kv)
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, grouped", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)])
+def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype, grouped):
     """With a DeferredNorm input of one token per product (post-scaled: the kernel gets the fp32 product and
     the 1/rms) the kernel equals the chain, which scales and rounds the product first."""
     monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
     cfg, p, x, view, kv = attention_case(2, dtype, seed=7)
     h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
     want = run_layer(False, cfg, p, h, view, kv)
@@ -95,8 +100,10 @@ def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch,
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch, grouped):
     """RoPE over the whole head (no pass-through part) and all query heads on one KV head."""
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
     cfg, p, x, view, kv = attention_case(2, jnp.float32, seed=3, partial_rotary_factor=1.0, num_key_value_heads=1)
     want = run_layer(False, cfg, p, x, view, kv)
     got = run_layer(True, cfg, p, x, view, kv)
@@ -116,8 +123,10 @@ def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
 
-def test_decode_attention_kernel_lowers_to_triton_without_a_gpu():
-    """The 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over 64), a post-scaled product, a verify window."""
+@pytest.mark.parametrize("grouped", [False, True])
+def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped):
+    """The 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over 64), a post-scaled product, a verify window;
+    both program layouts (the grouped one's matrix products included)."""
     Hq, Hkv, D, R, Q, MP = 8, 2, 256, 2, 3, 4
     bf = jnp.bfloat16
     y = jnp.zeros((R, Q, 2 * Hq * D + 2 * Hkv * D), jnp.float32)
@@ -126,7 +135,7 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu():
     fn = lambda y, k, v: decode_attention_pooled(  # noqa: E731
         y, jnp.ones((R, Q, 1)), jnp.zeros(D, bf), jnp.zeros(D, bf), 1e-6, jnp.ones((R, Q, 64), bf),
         jnp.zeros((R, Q, 64), bf), k, v, ints(R * Q), ints(R, MP), ints(R, Q), ints(R), ints(R), num_heads=Hq,
-        dtype=bf, interpret=False)
+        dtype=bf, interpret=False, grouped=grouped)
     text = jax.jit(fn).trace(y, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 

@@ -107,19 +107,22 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T
     assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
-@pytest.mark.parametrize("Q, dtype, pages_per_tile", [(1, "bfloat16", 1), (1, "bfloat16", 2), (4, "bfloat16", 1),
-                                                      (4, "bfloat16", 2), (2, "float32", None)])
+@pytest.mark.parametrize("Q, dtype, pages_per_tile, grouped", [
+    (1, "bfloat16", 1, False), (1, "bfloat16", 2, False), (4, "bfloat16", 1, False), (4, "bfloat16", 2, False),
+    (2, "float32", None, False), (1, "bfloat16", 1, True), (4, "bfloat16", 2, True), (2, "float32", None, True)])
 def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(monkeypatch, Q, dtype,
-                                                                                   pages_per_tile):
+                                                                                   pages_per_tile, grouped):
     """The one-kernel decode attention compiled at the 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over
     64) against the compiled XLA chain, on tiles of one and two pages (the rule picks either by grid size;
-    None: the rule's pick); test_decode_attention.py runs the smaller cases interpreted on CPU."""
+    None: the rule's pick), one program per query head or per KV head (grouped); test_decode_attention.py
+    runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
 
     from pallas_kernels import decode_attention
     from test_decode_attention import assert_same_layer, attention_case, run_layer
 
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
     dt = jnp.dtype(dtype)
     cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
     want = run_layer(False, cfg, p, x, view, kv)

@@ -4,21 +4,23 @@
 
 Forms: `xla` the chain the engine ran before r23 (`fused_decode=False`: q/k norms, RoPE,
 the KV write kernel, the page gather, scores, softmax, P·V, the gate); `pb<P>-w<W>` the kernel
-(`pallas_kernels/decode_attention.py`) loading P pages per step of its page loop on W warps. Each call runs
+(`pallas_kernels/decode_attention.py`) loading P pages per step of its page loop on W warps, one program per
+(row, query head); `g-pb<P>-w<W>` the same with one program per (row, KV head), the group's query heads on
+matrix products (`_grouped_kernel`, r24; each KV head's pages read once per group). Each call runs
 `paged_attention` (the q/k/v product, the part between, o_proj) over LAYERS distinct pools in a chain, as a
 step's layers do, on one-token rows whose pages hold CONTEXT earlier tokens (a 64-token prompt and 32 decode
-steps); input the folded norm's DeferredNorm, as the engine hands it. Device us per layer from a profiler
-trace, with the top kernels.
+steps; $PROBE_CONTEXT sets another length); input the folded norm's DeferredNorm, as the engine hands it.
+Device us per layer from a profiler trace, with the top kernels.
 """
 
 import json
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgdn import paged_forward
 from jaxgdn.bench.common import environment, profile_calls
 from jaxgdn.cache import PagedKV
 from jaxgdn.config import PRESETS
@@ -28,8 +30,10 @@ from jaxgdn.params import AttentionParams
 from pallas_kernels import decode_attention
 from pallas_kernels.common import on_gpu
 
-LAYERS, CONTEXT, PS, MP = 6, 96, 16, 8
-FORMS = ("xla", "pb1-w4", "pb2-w4", "pb1-w2", "pb1-w8", "pb2-w8", "pb4-w8", "xla")  # r23's second run
+LAYERS, PS = 6, 16
+CONTEXT = int(os.environ.get("PROBE_CONTEXT", 96))  # keys in each row's pages
+MP = CONTEXT // PS + 1  # block-table width: the context's pages and the new token's
+FORMS = ("xla", "pb1-w4", "pb2-w4", "g-pb1-w4", "g-pb2-w4", "g-pb1-w8", "g-pb2-w8", "xla")
 
 
 def case(cfg, R, seed=0):
@@ -62,10 +66,12 @@ def main(out_path, batches=(1, 8, 64)):
                         "and o_proj included"}
     for R in batches:
         p, pools, view, h = case(cfg, R)
-        for form in FORMS if gpu else ("xla", "pb4-w4"):
+        for form in FORMS if gpu else ("xla", "pb4-w4", "g-pb1-w4"):
             if form != "xla":
-                decode_attention.PAGES_PER_STEP = int(form[2 : form.index("-")])
-                decode_attention.NUM_WARPS = int(form.split("-w")[1])
+                tiling = form.removeprefix("g-")
+                decode_attention.GROUPED_MIN_ROWS = 1 if tiling != form else None
+                decode_attention.PAGES_PER_STEP = int(tiling[2 : tiling.index("-")])
+                decode_attention.NUM_WARPS = int(tiling.split("-w")[1])
 
             def chain(h, pools):
                 return [paged_attention(p, cfg, h, view, kv, "pallas" if form != "xla" else "xla",
