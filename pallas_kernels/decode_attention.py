@@ -70,6 +70,11 @@ def _round(x, dtype):
     return x.astype(dtype).astype(f32)
 
 
+def _scaled_score(raw, D: int, dtype):
+    """Scores from fp32 dot products raw: rounded as the XLA path's einsum output, then its scaled value."""
+    return _round(_round(raw, dtype) * D**-0.5, dtype)
+
+
 def _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D: int, rot: int, eps: float, dtype):
     """(product, normed_rotated) for grid row r. product(t, cols): the product at token t and columns cols as
     fp32 (what the XLA path's product holds). normed_rotated(t, lo, key): rms_norm_1p (q_norm or k_norm) then
@@ -136,7 +141,6 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
     hk = h // group
     dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
     ps = k_pool_ref.shape[1]
-    scale = D**-0.5
     d = lax.iota(jnp.int32, D)
     product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
     tile, rows = _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB)
@@ -155,8 +159,8 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
     # one program of the KV head writes its new K/V
     _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v, writer=h % group == 0)
 
-    def score(k, q):  # q·k for k [..., D]: rounded as the XLA path's einsum output, then its scaled value
-        return _round(_round(jnp.sum(k * q, axis=-1), dtype) * scale, dtype)
+    def score(k, q):  # q·k for k [..., D]
+        return _scaled_score(jnp.sum(k * q, axis=-1), D, dtype)
 
     def update(state, s, v):
         """Online softmax of one query: state (m, l, acc [D]); s scores [n] (-inf: not visible), v [n, D]."""
@@ -208,7 +212,6 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
     group = Hq // Hkv
     dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
     ps = k_pool_ref.shape[1]
-    scale = D**-0.5
     d = lax.iota(jnp.int32, D)
     precision = lax.Precision.HIGHEST if dtype == jnp.dtype(f32) else None  # fp32 activations: no TF32
     product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
@@ -226,9 +229,6 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
     qpos = [qpos_ref[r, jnp.int32(t)] for t in range(Q)]
     old_len, seq_len = old_ref[r], seq_ref[r]
     _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v)  # this program owns the KV head
-
-    def scaled_scores(raw):  # rounded as the XLA path's einsum output, then its scaled value
-        return _round(_round(raw, dtype) * scale, dtype)
 
     def update(state, s, pv):
         """Online softmax of the M rows: state (m [M], l [M], acc [M, D]); s scores [M, n] (-inf: not
@@ -250,7 +250,7 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
         k = k.astype(dtype)
         v = jnp.where(old[:, None], v.astype(dtype), jnp.zeros((), dtype))
         raw = jnp.dot(q_op, k.T, preferred_element_type=f32, precision=precision)  # [M, n]
-        s = jnp.where(old[None, :] & (kpos[None, :] <= qpos_row[:, None]), scaled_scores(raw), -jnp.inf)
+        s = jnp.where(old[None, :] & (kpos[None, :] <= qpos_row[:, None]), _scaled_score(raw, D, dtype), -jnp.inf)
         pv = lambda p: jnp.dot(p.astype(dtype), v, preferred_element_type=f32, precision=precision)  # noqa: E731
         return following, update(state, s, pv)
 
@@ -260,7 +260,7 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
     for j in range(Q):  # this step's keys from registers, as stored in the pool and read back
         k, v = (_round(x.astype(pool_dtype), dtype) for x in (new_k[j], new_v[j]))
         seen = (qpos[j] >= 0) & (qpos[j] <= qpos_row) & (qpos[j] < seq_len)  # [M]
-        s = jnp.where(seen, scaled_scores(jnp.sum(q * k[None, :], axis=1)), -jnp.inf)
+        s = jnp.where(seen, _scaled_score(jnp.sum(q * k[None, :], axis=1), D, dtype), -jnp.inf)
         state = update(state, s[:, None], lambda p: p * v[None, :])
     _, l, acc = state
     attn = _round(acc / jnp.maximum(l, 1e-30)[:, None], dtype)
