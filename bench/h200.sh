@@ -94,11 +94,12 @@ for step in $steps; do
                  ${FORM_BATCHES:-1 8} 2>&1 | grep -v Warning
              done ;;
     # r23: the attention layer of a decode step alone at the 0.8B widths, the one kernel against the XLA chain
-    # (r24: also its grouped form, and rows of 1024 keys beside the default 96)
-    attention-probe) timeout 250 python3 bench/probes/decode_attention.py "$dest/decode-attention-probe_gpu_$stamp.json" \
-               1 8 64 2>&1 | grep -v Warning
-             PROBE_CONTEXT=1024 timeout 250 python3 bench/probes/decode_attention.py \
-               "$dest/decode-attention-probe-1024_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
+    # (r24: also its grouped form, and rows of 1024 keys beside the default 96; r25: the split grouped form, and
+    # 4096 keys); PROBE_CONTEXTS picks the row lengths, PROBE_FORMS the forms
+    attention-probe) for context in ${PROBE_CONTEXTS:-96 1024 4096}; do
+               PROBE_CONTEXT=$context timeout 200 python3 bench/probes/decode_attention.py \
+                 "$dest/decode-attention-probe-$context""_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning
+             done ;;
     # r22: the one-kernel GDN mixer alone at the 0.8B widths against the unfused chain, 4/8/16 warps
     mixer-probe) timeout 300 python3 bench/probes/gdn_mixer.py "$dest/gdn-mixer-probe_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep (gdn_prep.py), the gated norm fused into the output kernel

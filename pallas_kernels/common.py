@@ -28,24 +28,25 @@ def triton_params(num_warps: int, num_stages: int = 1):
 def call_on_product(kernel, y, row_scale, inputs: tuple, pools: tuple, out, grid, num_warps: int, interpret=None):
     """pallas_call of a kernel between a layer's two products that writes two pools in place (the GDN mixer,
     the decode attention): its arguments are the product y, the folded norm's row_scale (fp32; only when
-    given), *inputs, then the two pools, aliased to outputs 1 and 2; output 0 is `out` (a ShapeDtypeStruct).
-    Returns (output, pool, pool)."""
+    given), *inputs, then the two pools, aliased to the last two outputs; the outputs before them are `out`
+    (a ShapeDtypeStruct, or a tuple of them). Returns (*outputs, pool, pool)."""
     from jax.experimental import pallas as pl
 
+    outs = out if isinstance(out, tuple) else (out,)
     args = (y, *((row_scale.astype(jnp.float32),) if row_scale is not None else ()), *inputs, *pools)
     return pl.pallas_call(
-        kernel, out_shape=(out, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools)), grid=grid,
-        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2}, interpret=interpret_default(interpret),
-        compiler_params=triton_params(num_warps),
+        kernel, out_shape=(*outs, *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools)), grid=grid,
+        input_output_aliases={len(args) - 2: len(outs), len(args) - 1: len(outs) + 1},
+        interpret=interpret_default(interpret), compiler_params=triton_params(num_warps),
     )(*args)
 
 
-def product_rows(y_ref, refs: tuple, scaled: bool, row):
+def product_rows(y_ref, refs: tuple, scaled: bool, row, dtype=None):
     """In a kernel called through call_on_product: (read, refs without the row scale's). read(t, cols) is grid
-    row `row`'s product at token t and columns cols in the activation dtype (output 0's), the folded norm's
-    1/rms applied first when scaled: what the XLA path's product holds."""
+    row `row`'s product at token t and columns cols in the activation dtype (default output 0's, for a kernel
+    of one output), the folded norm's 1/rms applied first when scaled: what the XLA path's product holds."""
     scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
-    dtype = refs[-3].dtype  # output 0 (the outputs are the last three refs: it and the two pools)
+    dtype = dtype or refs[-3].dtype  # output 0 of one (the outputs are the last three refs: it and the two pools)
 
     def read(t: int, cols):
         x = y_ref[row, jnp.int32(t), cols]

@@ -7,9 +7,11 @@ all: one program per (row, query head) normalizes and rotates its query and its 
 row's few new tokens, writes the new K/V into the paged pools in place, attends over the row's pages (keys
 written by earlier steps) and over the new keys held in registers, and stores the gated output in o_proj's
 input layout. Reading this step's keys from registers rather than from the pages the kernel writes means
-no program depends on another's stores. A grouped form (`_grouped_kernel`, off by default until measured:
-GROUPED_MIN_ROWS) runs one program per (row, KV head) instead, the group's query heads and the row's tokens
-as the rows of matrix products, so a KV head's pages are read once rather than once per query head.
+no program depends on another's stores. The grouped form (`_grouped_kernel`; for many rows or long block
+tables: `uses_grouped_form`) runs one program per (row, KV head) instead, the group's query heads and the
+row's tokens as the rows of matrix products, so a KV head's pages are read once rather than once per query
+head, and splits a long row's page tiles over several programs whose softmax states XLA merges
+(`_merge_splits`, flash decoding) when the grid would be small.
 
     y           [R, Q, N]  the fused projection: q_proj (per head [query_h ‖ gate_h], 2*Hq*D), k_proj (Hkv*D),
                            v_proj (Hkv*D); in the activation dtype, or fp32 with row_scale
@@ -53,10 +55,28 @@ PAGES_PER_STEP = None  # None: by the rule above
 DEEP_TILE_MAX_PROGRAMS = 128
 NUM_WARPS = 4
 # The grouped form (`_grouped_kernel`: one program per (row, KV head), the group's query heads on matrix
-# products, each KV head's pages read once instead of once per query head) for steps of at least this many
-# rows; None: never. Not yet measured on the GPU (r24 wrote it after the session's device time was spent), so
-# it is off until `bench/probes/decode_attention.py` (forms "g-*") shows where it pays.
-GROUPED_MIN_ROWS = None
+# products, each KV head's pages read once instead of once per query head, and a long row's page tiles split
+# over programs) for steps of at least GROUPED_MIN_ROWS rows or block tables of at least GROUPED_MIN_KEYS keys
+# a row (None: never by that measure). On the H200 at the 0.8B widths, us a layer (products included; the
+# per-query-head form on its best tiles / grouped, split to SPLIT_TARGET_PROGRAMS = 256 / the XLA chain):
+#   96 keys a row:   batch 1 11.5 / 12.0 / 13.2,   batch 8 14.4 / 14.5 / 17.3,   batch 64 30.5 / 26.1 / 36.7
+#   1024 keys a row: batch 1 51.4 / 18.4 / 20.8,   batch 8 61.3 / 29.8 / 42.5,   batch 64 189.1 / 128.6 / 201.3
+#   4096 keys a row: batch 1 200.5 / 26.2 / 39.1,  batch 8 215.9 / 74.4 / 145.9, batch 64 746.1 / 454.8 / 730.8
+# (decode-attention-probe-{96,1024b,4096}-r25): one program per query head walking all of a long row's pages
+# alone was 2.5-7.7x slower than the XLA chain at batch 1 (r23-r24's kernel); split, the kernel wins everywhere.
+GROUPED_MIN_ROWS = 16
+GROUPED_MIN_KEYS = 256
+# The grouped form splits a row's page tiles over programs (flash decoding) while the grid has fewer than
+# SPLIT_TARGET_PROGRAMS programs, each split at least SPLIT_MIN_TILES tiles (targets 64 / 128 / 256: at 1024
+# keys batch 8 36.7 / 29.8 / 29.8 us, batch 64 138.6 / 138.8 / 128.6).
+SPLIT_TARGET_PROGRAMS = 256
+SPLIT_MIN_TILES = 2
+
+
+def uses_grouped_form(rows: int, table_keys: int) -> bool:
+    """Whether a step of `rows` rows whose block tables hold `table_keys` keys runs the grouped form."""
+    return ((GROUPED_MIN_ROWS is not None and rows >= GROUPED_MIN_ROWS)
+            or (GROUPED_MIN_KEYS is not None and table_keys >= GROUPED_MIN_KEYS))
 
 
 def decode_attention_supports(head_dim: int, page_size: int, rotary_dim: int) -> bool:
@@ -199,24 +219,31 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
         out_ref[r, jnp.int32(t), pl.ds(h * D, D)] = (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype)
 
 
-def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
-    """One program per (row, KV head): the group's Hq/Hkv query heads x Q tokens as M matrix rows (row i is
-    cell i mod (group * Q): token (i mod group*Q) // group, head hk * group + i mod group; rows past group * Q
-    repeat earlier ones, so every row is real and their duplicate stores write equal values), scored against
-    each page tile with one [M, D] x [D, tile] product and accumulated with one [M, tile] x [tile, D]
-    product: each KV head's keys and values are read once for its group instead of once per query head."""
-    r, hk = pl.program_id(0), pl.program_id(1)
-    read_product, refs = product_rows(y_ref, refs, scaled, r)
-    (qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, bt_ref, qpos_ref, old_ref, seq_ref, _k_in, _v_in,
-     out_ref, k_pool_ref, v_pool_ref) = refs
+def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M, S, TS, dtype):
+    """One program per (row, KV head, split): the group's Hq/Hkv query heads x Q tokens as M matrix rows (row
+    i is cell i mod (group * Q): token (i mod group*Q) // group, head hk * group + i mod group; rows past
+    group * Q repeat earlier ones, so every row is real and their duplicate stores write equal values), scored
+    against each page tile with one [M, D] x [D, tile] product and accumulated with one [M, tile] x [tile, D]
+    product: each KV head's keys and values are read once for its group instead of once per query head.
+    With S > 1 splits (flash decoding) program s attends over page tiles s*TS .. s*TS+TS-1 only (split 0
+    also over the step's own keys, and it writes them to the pools) and stores its unnormalized online-softmax
+    state (m, l [M], acc [M, D]) for `_merge_splits`; with S = 1 it stores the gated output itself."""
+    r, hk, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    read_product, refs = product_rows(y_ref, refs, scaled, r, dtype)
+    (qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, bt_ref, qpos_ref, old_ref, seq_ref, _k_in, _v_in), refs = (
+        refs[:11], refs[11:])
+    *out_refs, k_pool_ref, v_pool_ref = refs
     group = Hq // Hkv
-    dtype, pool_dtype = out_ref.dtype, k_pool_ref.dtype
+    pool_dtype = k_pool_ref.dtype
     ps = k_pool_ref.shape[1]
     d = lax.iota(jnp.int32, D)
     precision = lax.Precision.HIGHEST if dtype == jnp.dtype(f32) else None  # fp32 activations: no TF32
     product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
     tile, rows = _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB)
-    first_tile = tile(0)  # in flight during the prologue, as in _attention_kernel
+    old_len, seq_len = old_ref[r], seq_ref[r]
+    n_steps = (old_len + ps * PB - 1) // (ps * PB)
+    first, stop = (0, n_steps) if S == 1 else (s * TS, jnp.minimum(s * TS + TS, n_steps))
+    first_tile = tile(first)  # in flight during the prologue, as in _attention_kernel
 
     cell = lax.iota(jnp.int32, M) % (group * Q)
     t_row = (cell // group)[:, None]  # [M, 1] token of each matrix row
@@ -227,16 +254,16 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
     new_v = [product(t, v_lo + d) for t in range(Q)]
     qpos_row = qpos_ref[r, t_row[:, 0]]  # [M]
     qpos = [qpos_ref[r, jnp.int32(t)] for t in range(Q)]
-    old_len, seq_len = old_ref[r], seq_ref[r]
-    _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v)  # this program owns the KV head
+    own_split = s == 0  # the split that owns the step's new keys: writes them and attends over them
+    _write_new_kv(k_pool_ref, v_pool_ref, slot_ref, r, hk, Q, new_k, new_v, writer=own_split)
 
-    def update(state, s, pv):
-        """Online softmax of the M rows: state (m [M], l [M], acc [M, D]); s scores [M, n] (-inf: not
+    def update(state, scores, pv):
+        """Online softmax of the M rows: state (m [M], l [M], acc [M, D]); scores [M, n] (-inf: not
         visible); pv(p) -> [M, D], the probabilities p [M, n] times the values."""
         m, l, acc = state
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: stay at zero
-        p = jnp.exp(s - shift[:, None])
+        p = jnp.exp(scores - shift[:, None])
         corr = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - shift))
         return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv(p)
 
@@ -250,36 +277,73 @@ def _grouped_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB, M):
         k = k.astype(dtype)
         v = jnp.where(old[:, None], v.astype(dtype), jnp.zeros((), dtype))
         raw = jnp.dot(q_op, k.T, preferred_element_type=f32, precision=precision)  # [M, n]
-        s = jnp.where(old[None, :] & (kpos[None, :] <= qpos_row[:, None]), _scaled_score(raw, D, dtype), -jnp.inf)
+        seen = old[None, :] & (kpos[None, :] <= qpos_row[:, None])
         pv = lambda p: jnp.dot(p.astype(dtype), v, preferred_element_type=f32, precision=precision)  # noqa: E731
-        return following, update(state, s, pv)
+        return following, update(state, jnp.where(seen, _scaled_score(raw, D, dtype), -jnp.inf), pv)
 
     init = (jnp.full((M,), -jnp.inf, f32), jnp.zeros((M,), f32), jnp.zeros((M, D), f32))
-    n_steps = (old_len + ps * PB - 1) // (ps * PB)
-    _, state = lax.fori_loop(0, n_steps, pages, (first_tile, init))
+    _, state = lax.fori_loop(first, stop, pages, (first_tile, init))
     for j in range(Q):  # this step's keys from registers, as stored in the pool and read back
         k, v = (_round(x.astype(pool_dtype), dtype) for x in (new_k[j], new_v[j]))
-        seen = (qpos[j] >= 0) & (qpos[j] <= qpos_row) & (qpos[j] < seq_len)  # [M]
-        s = jnp.where(seen, _scaled_score(jnp.sum(q * k[None, :], axis=1), D, dtype), -jnp.inf)
-        state = update(state, s[:, None], lambda p: p * v[None, :])
-    _, l, acc = state
+        seen = own_split & (qpos[j] >= 0) & (qpos[j] <= qpos_row) & (qpos[j] < seq_len)  # [M]
+        score = jnp.where(seen, _scaled_score(jnp.sum(q * k[None, :], axis=1), D, dtype), -jnp.inf)
+        state = update(state, score[:, None], lambda p: p * v[None, :])
+    m, l, acc = state
+    if S > 1:
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[r, hk, s, :] = m
+        l_ref[r, hk, s, :] = l
+        acc_ref[r, hk, s, :, :] = acc
+        return
     attn = _round(acc / jnp.maximum(l, 1e-30)[:, None], dtype)
     gate = product(t_row, h_row * 2 * D + D + d)
-    out_ref[r, t_row, h_row * D + d] = (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype)
+    out_refs[0][r, t_row, h_row * D + d] = (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype)
+
+
+def _merge_splits(m, l, acc, y, row_scale, Q: int, Hq: int, D: int, dtype):
+    """The S splits' online-softmax states of `_grouped_kernel` merged, normalized and gated, in XLA: m, l
+    [R, Hkv, S, M], acc [R, Hkv, S, M, D] (fp32; matrix rows past group * Q are duplicates); y, row_scale the
+    kernel's inputs (the gate columns). -> [R, Q, Hq * D] in dtype, as the unsplit kernel stores it."""
+    R, Hkv = m.shape[:2]
+    cells = Hq // Hkv * Q
+    m, l, acc = m[..., :cells], l[..., :cells], acc[..., :cells, :]
+    top = jnp.max(m, axis=2, keepdims=True)
+    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top)))
+    l = jnp.sum(weight * l, axis=2)
+    acc = jnp.sum(weight[..., None] * acc, axis=2)  # [R, Hkv, cells, D]
+    attn = _round(acc / jnp.maximum(l, 1e-30)[..., None], dtype)
+    # matrix row c of KV head hk is token c // group, query head hk * group + c % group
+    attn = attn.reshape(R, Hkv, Q, Hq // Hkv, D).transpose(0, 2, 1, 3, 4).reshape(R, Q, Hq, D)
+    gate = y[..., : 2 * Hq * D].reshape(R, Q, Hq, 2 * D)[..., D:]
+    if row_scale is not None:
+        gate = gate.astype(f32) * row_scale.astype(f32)[..., None]
+    gate = gate.astype(dtype).astype(f32)
+    return (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype).reshape(R, Q, Hq * D)
+
+
+def split_count(programs: int, tiles: int) -> int:
+    """Splits of a row's page tiles for the grouped form (flash decoding): enough that the grid has about
+    SPLIT_TARGET_PROGRAMS programs, each at least SPLIT_MIN_TILES tiles; 1 (no split) when the grid is that
+    big already or the table that short. programs: R * Hkv; tiles: the block table's page tiles."""
+    splits = max(1, min(SPLIT_TARGET_PROGRAMS // programs, tiles // SPLIT_MIN_TILES))
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split)  # no split left without tiles
 
 
 def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, k_pool, v_pool, kv_slots,
                             block_tables, q_positions, old_lens, seq_lens, *, num_heads: int, dtype=None,
                             interpret=None, num_warps: int | None = None, pages_per_step: int | None = None,
-                            grouped: bool | None = None):
+                            grouped: bool | None = None, splits: int | None = None):
     """The gated attention of short rows over the paged pools, written in place; shapes and semantics in the
     module docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of
     row_scale). Rows' new cells must use distinct slots (padding cells may share the null page's).
     num_warps, pages_per_step (pages per tile of the page loop): default NUM_WARPS, PAGES_PER_STEP's rule.
     grouped: one program per (row, KV head) with the group's query heads on matrix products
-    (`_grouped_kernel`) instead of one per (row, query head); default GROUPED_MIN_ROWS's rule."""
+    (`_grouped_kernel`) instead of one per (row, query head); default `uses_grouped_form`. splits: the
+    grouped form's splits of each row's page tiles (default `split_count`; forces grouped when > 1)."""
     R, Q, N = y.shape
     _, ps, Hkv, D = k_pool.shape
+    MP = block_tables.shape[1]
     rot = cos.shape[-1]
     assert decode_attention_supports(D, ps, rot) and num_heads % Hkv == 0, (D, ps, rot, num_heads, Hkv)
     assert N >= 2 * num_heads * D + 2 * Hkv * D, (N, num_heads, Hkv, D)
@@ -287,17 +351,28 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
     scaled = row_scale is not None
     if grouped is None:
-        grouped = GROUPED_MIN_ROWS is not None and R >= GROUPED_MIN_ROWS
+        grouped = (splits or 1) > 1 or uses_grouped_form(R, MP * ps)
     programs = R * (Hkv if grouped else num_heads)
     pages_per_step = pages_per_step or PAGES_PER_STEP or (2 if programs <= DEEP_TILE_MAX_PROGRAMS else 1)
     common = dict(Q=Q, Hq=num_heads, Hkv=Hkv, D=D, rot=rot, eps=float(eps), scaled=scaled, PB=pages_per_step)
-    if grouped:  # matrix rows: the group's heads x Q tokens; every dot dimension at least 16 (Triton's smallest)
-        common["PB"] = max(pages_per_step, -(-16 // ps))
-        kernel = functools.partial(_grouped_kernel, M=max(16, pl.next_power_of_2(num_heads // Hkv * Q)), **common)
-    else:
-        kernel = functools.partial(_attention_kernel, **common)
     inputs = (q_norm, k_norm, cos, sin, i32(kv_slots), i32(block_tables), i32(q_positions), i32(old_lens),
               i32(seq_lens))
-    return call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool),
-                           jax.ShapeDtypeStruct((R, Q, num_heads * D), dtype), (R, Hkv if grouped else num_heads),
-                           num_warps or NUM_WARPS, interpret)
+    out = jax.ShapeDtypeStruct((R, Q, num_heads * D), dtype)
+    if not grouped:
+        kernel = functools.partial(_attention_kernel, **common)
+        return call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, num_heads),
+                               num_warps or NUM_WARPS, interpret)
+    # matrix rows: the group's heads x Q tokens; every dot dimension at least 16 (Triton's smallest)
+    PB = common["PB"] = max(pages_per_step, -(-16 // ps))
+    M = max(16, pl.next_power_of_2(num_heads // Hkv * Q))
+    tiles = -(-MP // PB)
+    S = splits or split_count(R * Hkv, tiles)
+    kernel = functools.partial(_grouped_kernel, M=M, S=S, TS=-(-tiles // S), dtype=dtype, **common)
+    if S > 1:
+        out = (jax.ShapeDtypeStruct((R, Hkv, S, M), f32),) * 2 + (jax.ShapeDtypeStruct((R, Hkv, S, M, D), f32),)
+    outputs = call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, Hkv, S),
+                              num_warps or NUM_WARPS, interpret)
+    if S == 1:
+        return outputs
+    m, l, acc, k_pool, v_pool = outputs
+    return _merge_splits(m, l, acc, y, row_scale, Q, num_heads, D, dtype), k_pool, v_pool

@@ -51,6 +51,14 @@ def attention_case(Q, dtype, seed=0, **overrides):
     return cfg, p, x, view, PagedKV(k=jnp.asarray(k_pool, dtype), v=jnp.asarray(v_pool, dtype))
 
 
+def use_form(monkeypatch, form: str):
+    """The kernel's program layout for the test: "head" one program per (row, query head), "grouped" one per
+    (row, KV head), "split" that with each row's page tiles split over programs (flash decoding)."""
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", None if form == "head" else 1)
+    monkeypatch.setattr(decode_attention, "GROUPED_MIN_KEYS", None)
+    monkeypatch.setattr(decode_attention, "SPLIT_TARGET_PROGRAMS", 1024 if form == "split" else 1)
+
+
 def run_layer(kernel: bool, cfg, p, h, view, kv):
     """The layer on the one kernel (impl "pallas", fused_decode on) or on the XLA chain (impl "xla" and
     fused_decode off, so even on a GPU)."""
@@ -71,28 +79,33 @@ def assert_same_layer(got, want, view, kv, atol):
         assert np.isfinite(new).sum() == np.isfinite(old).sum() + valid.sum() * ref.shape[2] * ref.shape[3]
 
 
-@pytest.mark.parametrize("Q, dtype, pages_per_tile, grouped", [
-    (1, jnp.float32, 1, False), (3, jnp.float32, 2, False), (1, jnp.bfloat16, 2, False), (4, jnp.bfloat16, 1, False),
-    (2, jnp.float32, 4, False), (1, jnp.float32, 1, True), (3, jnp.bfloat16, 2, True), (8, jnp.float32, 1, True)])
-def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile, grouped):
+@pytest.mark.parametrize("Q, dtype, pages_per_tile, form", [
+    (1, jnp.float32, 1, "head"), (3, jnp.float32, 2, "head"), (1, jnp.bfloat16, 2, "head"),
+    (4, jnp.bfloat16, 1, "head"), (2, jnp.float32, 4, "head"), (1, jnp.float32, 1, "grouped"),
+    (3, jnp.bfloat16, 2, "grouped"), (8, jnp.float32, 1, "grouped"), (1, jnp.float32, 1, "split"),
+    (3, jnp.bfloat16, 2, "split"), (2, jnp.float32, 1, "split")])
+def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile, form):
     """Decode (one cell) and verify windows, GQA (two query heads per KV head), partial RoPE, fp32 and bf16
     activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages; one program per
     query head, or per KV head with the group's heads on matrix products (grouped: 2 heads x Q tokens as
-    16 matrix rows, duplicates included, or exactly 16 at Q = 8)."""
+    16 matrix rows, duplicates included, or exactly 16 at Q = 8), or that with each row's 8 pages split over
+    2 or 4 programs (split: tiles of two pages or one; rows of 0, 5, 37 and 70 keys leave some splits without keys)."""
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
+    use_form(monkeypatch, form)
     cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
     want = run_layer(False, cfg, p, x, view, kv)
     got = run_layer(True, cfg, p, x, view, kv)
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-@pytest.mark.parametrize("dtype, grouped", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)])
-def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype, grouped):
+@pytest.mark.parametrize("dtype, form", [(jnp.float32, "head"), (jnp.bfloat16, "head"), (jnp.bfloat16, "grouped"),
+                                         (jnp.bfloat16, "split")])
+def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype, form):
     """With a DeferredNorm input of one token per product (post-scaled: the kernel gets the fp32 product and
-    the 1/rms) the kernel equals the chain, which scales and rounds the product first."""
+    the 1/rms) the kernel equals the chain, which scales and rounds the product first (the split form's
+    gate, merged in XLA, included)."""
     monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
+    use_form(monkeypatch, form)
     cfg, p, x, view, kv = attention_case(2, dtype, seed=7)
     h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
     want = run_layer(False, cfg, p, h, view, kv)
@@ -100,10 +113,10 @@ def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch,
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch, grouped):
+@pytest.mark.parametrize("form", ["head", "grouped", "split"])
+def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch, form):
     """RoPE over the whole head (no pass-through part) and all query heads on one KV head."""
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
+    use_form(monkeypatch, form)
     cfg, p, x, view, kv = attention_case(2, jnp.float32, seed=3, partial_rotary_factor=1.0, num_key_value_heads=1)
     want = run_layer(False, cfg, p, x, view, kv)
     got = run_layer(True, cfg, p, x, view, kv)
@@ -123,10 +136,10 @@ def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped):
+@pytest.mark.parametrize("grouped, splits", [(False, None), (True, 1), (True, 2)])
+def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped, splits):
     """The 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over 64), a post-scaled product, a verify window;
-    both program layouts (the grouped one's matrix products included)."""
+    every program layout (the grouped one's matrix products and split stores included)."""
     Hq, Hkv, D, R, Q, MP = 8, 2, 256, 2, 3, 4
     bf = jnp.bfloat16
     y = jnp.zeros((R, Q, 2 * Hq * D + 2 * Hkv * D), jnp.float32)
@@ -135,23 +148,24 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped):
     fn = lambda y, k, v: decode_attention_pooled(  # noqa: E731
         y, jnp.ones((R, Q, 1)), jnp.zeros(D, bf), jnp.zeros(D, bf), 1e-6, jnp.ones((R, Q, 64), bf),
         jnp.zeros((R, Q, 64), bf), k, v, ints(R * Q), ints(R, MP), ints(R, Q), ints(R), ints(R), num_heads=Hq,
-        dtype=bf, interpret=False, grouped=grouped)
+        dtype=bf, interpret=False, grouped=grouped, splits=splits)
     text = jax.jit(fn).trace(y, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_engine_fused_decode_kernels_switch(monkeypatch, fused):
+@pytest.mark.parametrize("fused, form", [(True, "head"), (True, "split"), (False, None)])
+def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
     """EngineConfig.fused_decode_kernels picks the one-kernel forms (GDN mixer, decode attention) or the chains
     for decode and MTP verify rows, in the trunk and the MTP layer (kernels in interpret mode: the pool
-    path and the paged attention asked for); either way every request equals one-request greedy decoding."""
+    path and the paged attention asked for; the decode attention one program per query head, or grouped with
+    each row's pages split over programs); either way every request equals one-request greedy decoding."""
     from helpers import naive_greedy
     from jaxgdn import runner
     from jaxgdn.engine import LLMEngine
     from jaxgdn.engine_config import EngineConfig
     from jaxgdn.request import SamplingParams
 
-    calls = {"mixer": 0, "attention": 0}  # kernel calls traced into the step programs
+    calls = {"mixer": 0, "attention": 0, "merge": 0}  # kernel calls traced into the step programs
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -165,6 +179,11 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused):
     monkeypatch.setattr(paged_forward, "gdn_mixer_pooled", counted("mixer", paged_forward.gdn_mixer_pooled))
     monkeypatch.setattr(paged_forward, "decode_attention_pooled",
                         counted("attention", paged_forward.decode_attention_pooled))
+    monkeypatch.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
+    use_form(monkeypatch, form or "head")
+    if form == "split":  # rows of at most 4 pages: one-page tiles, a split for each
+        monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
+        monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)  # dv a power of two: the pool kernels' tiles
     params = init_random_params(cfg, seed=5)
     rng = np.random.default_rng(9)
@@ -180,6 +199,6 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused):
     for rid, p in zip(rids, prompts):
         assert eng.requests[rid].output_token_ids == naive_greedy(params, cfg, p, 5)
     if fused:
-        assert calls["mixer"] > 0 and calls["attention"] > 0
+        assert calls["mixer"] > 0 and calls["attention"] > 0 and (calls["merge"] > 0) == (form == "split")
     else:
-        assert calls == {"mixer": 0, "attention": 0}
+        assert calls == {"mixer": 0, "attention": 0, "merge": 0}

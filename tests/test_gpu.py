@@ -107,22 +107,24 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T
     assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
-@pytest.mark.parametrize("Q, dtype, pages_per_tile, grouped", [
-    (1, "bfloat16", 1, False), (1, "bfloat16", 2, False), (4, "bfloat16", 1, False), (4, "bfloat16", 2, False),
-    (2, "float32", None, False), (1, "bfloat16", 1, True), (4, "bfloat16", 2, True), (2, "float32", None, True)])
+@pytest.mark.parametrize("Q, dtype, pages_per_tile, form", [
+    (1, "bfloat16", 1, "head"), (1, "bfloat16", 2, "head"), (4, "bfloat16", 1, "head"), (4, "bfloat16", 2, "head"),
+    (2, "float32", None, "head"), (1, "bfloat16", 1, "grouped"), (4, "bfloat16", 2, "grouped"),
+    (2, "float32", None, "grouped"), (1, "bfloat16", 1, "split"), (4, "bfloat16", 2, "split"),
+    (2, "float32", None, "split")])
 def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(monkeypatch, Q, dtype,
-                                                                                   pages_per_tile, grouped):
+                                                                                   pages_per_tile, form):
     """The one-kernel decode attention compiled at the 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over
     64) against the compiled XLA chain, on tiles of one and two pages (the rule picks either by grid size;
-    None: the rule's pick), one program per query head or per KV head (grouped); test_decode_attention.py
-    runs the smaller cases interpreted on CPU."""
+    None: the rule's pick), one program per query head or per KV head (grouped), or that with each row's page
+    tiles split over programs (split); test_decode_attention.py runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
 
     from pallas_kernels import decode_attention
-    from test_decode_attention import assert_same_layer, attention_case, run_layer
+    from test_decode_attention import assert_same_layer, attention_case, run_layer, use_form
 
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", 1 if grouped else None)
+    use_form(monkeypatch, form)
     dt = jnp.dtype(dtype)
     cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
     want = run_layer(False, cfg, p, x, view, kv)

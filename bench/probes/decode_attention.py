@@ -6,7 +6,9 @@ Forms: `xla` the chain the engine ran before r23 (`fused_decode=False`: q/k norm
 the KV write kernel, the page gather, scores, softmax, P·V, the gate); `pb<P>-w<W>` the kernel
 (`pallas_kernels/decode_attention.py`) loading P pages per step of its page loop on W warps, one program per
 (row, query head); `g-pb<P>-w<W>` the same with one program per (row, KV head), the group's query heads on
-matrix products (`_grouped_kernel`, r24; each KV head's pages read once per group). Each call runs
+matrix products (`_grouped_kernel`, r24; each KV head's pages read once per group); `s<T>-pb<P>-w<W>` that
+with each row's page tiles split over programs until the grid has about T (r25, flash decoding:
+`SPLIT_TARGET_PROGRAMS`; the splits' states merged in XLA). Each call runs
 `paged_attention` (the q/k/v product, the part between, o_proj) over LAYERS distinct pools in a chain, as a
 step's layers do, on one-token rows whose pages hold CONTEXT earlier tokens (a 64-token prompt and 32 decode
 steps; $PROBE_CONTEXT sets another length); input the folded norm's DeferredNorm, as the engine hands it.
@@ -33,7 +35,8 @@ from pallas_kernels.common import on_gpu
 LAYERS, PS = 6, 16
 CONTEXT = int(os.environ.get("PROBE_CONTEXT", 96))  # keys in each row's pages
 MP = CONTEXT // PS + 1  # block-table width: the context's pages and the new token's
-FORMS = ("xla", "pb1-w4", "pb2-w4", "g-pb1-w4", "g-pb2-w4", "g-pb1-w8", "g-pb2-w8", "xla")
+FORMS = tuple(os.environ.get("PROBE_FORMS", "xla pb1-w4 pb2-w4 g-pb2-w4 s64-pb2-w4 s128-pb2-w4 s256-pb2-w4 "
+                                            "s128-pb1-w4 s256-pb1-w4 xla").split())
 
 
 def case(cfg, R, seed=0):
@@ -66,11 +69,13 @@ def main(out_path, batches=(1, 8, 64)):
                         "and o_proj included"}
     for R in batches:
         p, pools, view, h = case(cfg, R)
-        for form in FORMS if gpu else ("xla", "pb4-w4", "g-pb1-w4"):
+        for form in FORMS if gpu else ("xla", "pb4-w4", "g-pb1-w4", "s64-pb1-w4"):
             if form != "xla":
-                tiling = form.removeprefix("g-")
-                decode_attention.GROUPED_MIN_ROWS = 1 if tiling != form else None
-                decode_attention.PAGES_PER_STEP = int(tiling[2 : tiling.index("-")])
+                layout, _, tiling = form.rpartition("pb")
+                decode_attention.GROUPED_MIN_ROWS = 1 if layout else None
+                decode_attention.GROUPED_MIN_KEYS = None
+                decode_attention.SPLIT_TARGET_PROGRAMS = int(layout[1:-1]) if layout.startswith("s") else 1
+                decode_attention.PAGES_PER_STEP = int(tiling[: tiling.index("-")])
                 decode_attention.NUM_WARPS = int(tiling.split("-w")[1])
 
             def chain(h, pools):
