@@ -43,7 +43,8 @@ for step in $steps; do
                -k "not pd_ and not four_steps" > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-kernels_$stamp.txt" ;;
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    decode)  timeout 300 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # 560 s since r25: with transformers + fla and the profile, a cold machine ran 300 s out at batch 64
+    decode)  timeout 560 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # one decode step per launch (the default runs 4 on a GPU), beside the default in the same session
     decode-1step) timeout 200 python3 -m jaxgdn.bench decode --decode-steps-per-launch 1 --no-peer --batch 1 8 32 64 \
                --out "$dest/decode-1step_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
