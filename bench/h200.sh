@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-1step|decode-fla|decode-sync|prefill|
+#   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe ...]
-#   (default: all but the eighteen extras, in this order; sampling-probes and sampling-backends the sampled-MTP
+#   (default: all but the nineteen extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -45,6 +45,12 @@ for step in $steps; do
     kernels) timeout 240 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # 560 s since r25: with transformers + fla and the profile, a cold machine ran 300 s out at batch 64
     decode)  timeout 560 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # r25: decode at long rows (LONG_PROMPT tokens, default 2048), the one-kernel forms on (the split decode
+    # attention) and off (the XLA chains), one process each; not yet run
+    decode-long) for f in on off; do
+               timeout 280 python3 -m jaxgdn.bench decode --no-peer --prompt-len ${LONG_PROMPT:-2048} --batch 1 8 64 \
+                 --fused-decode-kernels $f --out "$dest/decode-long-$f""_gpu_$stamp.json" 2>&1 | grep -v Warning
+             done ;;
     # one decode step per launch (the default runs 4 on a GPU), beside the default in the same session
     decode-1step) timeout 200 python3 -m jaxgdn.bench decode --decode-steps-per-launch 1 --no-peer --batch 1 8 32 64 \
                --out "$dest/decode-1step_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
