@@ -136,6 +136,26 @@ def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
 
+def test_layout_rule_and_split_counts():
+    """The grouped form for many rows or long tables; splits that fill the grid toward SPLIT_TARGET_PROGRAMS,
+    never leave a split without tiles and, when splitting, give each at least SPLIT_MIN_TILES tiles."""
+    assert not decode_attention.uses_grouped_form(8, 128)  # a few short rows: one program per query head
+    assert decode_attention.uses_grouped_form(decode_attention.GROUPED_MIN_ROWS, 16)
+    assert decode_attention.uses_grouped_form(1, decode_attention.GROUPED_MIN_KEYS)
+    target, least = decode_attention.SPLIT_TARGET_PROGRAMS, decode_attention.SPLIT_MIN_TILES
+    for programs in (1, 2, 7, 16, 64, 128, 256, 512):
+        for tiles in (1, 2, 3, 4, 7, 33, 64, 129, 1024):
+            splits = decode_attention.split_count(programs, tiles)
+            per_split = -(-tiles // splits)
+            assert splits >= 1 and (splits - 1) * per_split < tiles  # every split has tiles
+            assert programs * splits <= max(target, programs)
+            if splits > 1:
+                assert per_split >= least
+    # batch 1 (2 KV heads) over 64 tiles: 32 splits of 2; 33 tiles: 11 of 3 (16 of 3 would leave 5 empty)
+    assert decode_attention.split_count(2, 64) == 32 and decode_attention.split_count(2, 33) == 11
+    assert decode_attention.split_count(128, 4) == 2 and decode_attention.split_count(256, 64) == 1
+
+
 @pytest.mark.parametrize("grouped, splits", [(False, None), (True, 1), (True, 2)])
 def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped, splits):
     """The 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over 64), a post-scaled product, a verify window;
