@@ -16,12 +16,22 @@ from jaxgdn.request import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
 
-@pytest.mark.parametrize("input_impl, dv, gdn_impl", [("triton", 24, "auto"), ("pallas", 24, "auto"),
-                                                      ("pallas", 32, "auto"), ("pallas", 32, "pallas")])
-def test_pd_mtp_engine_on_gpu_equals_plain_greedy(input_impl, dv, gdn_impl):
+@pytest.mark.parametrize("input_impl, dv, gdn_impl, attention_form", [
+    ("triton", 24, "auto", None), ("pallas", 24, "auto", None), ("pallas", 32, "auto", None),
+    ("pallas", 32, "pallas", None), ("pallas", 32, "auto", "split")])
+def test_pd_mtp_engine_on_gpu_equals_plain_greedy(monkeypatch, input_impl, dv, gdn_impl, attention_form):
     """auto with dv 32: decode and verify rows on the in-place pool kernel; auto with dv 24 (not a tile,
     so the pool cannot be read in place): the recurrent kernel on gathered, padded states; pallas: the
-    chunked kernel for every row."""
+    chunked kernel for every row. attention_form "split": the decode attention kernel's grouped form with
+    each row's pages split over programs for every decode and verify step (the rule picks the per-query-head
+    form for these few short rows)."""
+    if attention_form == "split":
+        from pallas_kernels import decode_attention
+        from test_decode_attention import use_form
+
+        use_form(monkeypatch, "split")
+        monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
+        monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=dv)
     params = init_random_params(cfg, seed=2)
     rng = np.random.default_rng(0)
