@@ -184,25 +184,27 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     assert "triton" in text.lower()
 
 
-def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place():
+@pytest.mark.parametrize("T, options", [(3, {}), (1, {}), (3, {"block_v": 16, "evict_first": True, "num_warps": 4})])
+def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options):
     """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
     position to checkpoints 0..W-1, other rows write their final state to checkpoint 0; other slots
-    and checkpoints are untouched."""
+    and checkpoints are untouched. T = 1 (decode) has its own store path; the options (a narrower dv tile,
+    cache hints) change only how the kernel runs."""
     from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
-    T, W = 3, 3
+    W = 3
     q, k, v, g, beta, _ = random_inputs(B=4, T=T, Hk=2, Hv=4, dk=16, dv=32, seed=5)
     pool = jnp.asarray(np.random.default_rng(1).standard_normal((6, W, 4, 16, 32)), jnp.float32)
     slots, start = jnp.array([2, 5, 1, 3]), jnp.array([1, 2, 0, 2])
     fresh, verify = jnp.array([False, False, True, False]), jnp.array([True, False, True, False])
-    o, new = gdn_recurrent_pooled(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
+    o, new = gdn_recurrent_pooled(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify, **options)
     expect = np.asarray(pool).copy()
     for b in range(4):
         s0 = jnp.zeros_like(pool[0, 0]) if fresh[b] else pool[slots[b], start[b]]
         o_ref, s_ref, states = gdn_recurrent_checkpoints(*(x[b : b + 1] for x in (q, k, v, g, beta)), s0[None])
         assert max_err(o[b], o_ref[0]) <= 1e-5
         if verify[b]:
-            expect[int(slots[b]), :W] = np.asarray(states[0, :W])
+            expect[int(slots[b]), :T] = np.asarray(states[0, :W])
         else:
             expect[int(slots[b]), 0] = np.asarray(s_ref[0])
     np.testing.assert_allclose(np.asarray(new), expect, atol=1e-5)
