@@ -3,8 +3,8 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe ...]
-#   (default: all but the twenty extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab ...]
+#   (default: all but the twenty-one extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -12,7 +12,7 @@
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
 #   shipped model's spec rows, scan-probes the chunked GDN scan settings beside fla, mlp-probe the MLP's forms
 #   at 8192 tokens, decode-kernels a decode step's kernels named by their source, fold-ab the folded RMSNorm weights
-#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes; `python -m jaxgdn.bench table
+#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -74,6 +74,8 @@ for step in $steps; do
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r26: the GDN pool kernel (engine rows of steps > 16 rows) by dv tile and warps, against an XLA pass
     pool-probe) timeout 300 python3 bench/probes/gdn_pool.py "$dest/gdn-pool-probe_gpu_$stamp.json" 32 64 128 2>&1 | grep -v Warning ;;
+    spec-pool-ab) for f in old new; do timeout 250 python3 bench/probes/spec_pool_ab.py $f "$dest/spec-pool-ab-$f""_gpu_$stamp.json" \
+               --k 3 2>&1 | grep -v Warning | grep "qwen\|shipped"; done ;;
     # decode-shaped weight products with cold weights: XLA (Triton GEMM), cuBLAS, the Pallas GEMM configs
     probes)  timeout 300 python3 bench/probes/cold_products.py "$dest/cold-products-default_gpu_$stamp.json" 1 8 64 \
                2>&1 | grep -v Warning
