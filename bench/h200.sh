@@ -72,7 +72,8 @@ for step in $steps; do
     spec-shipped) timeout 200 python3 -m jaxgdn.bench spec --model "" --out "$dest/spec-shipped_gpu_$stamp.json" \
                2>&1 | grep -v Warning ;;
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # r26: the GDN pool kernel (engine rows of steps > 16 rows) by dv tile and warps, against an XLA pass
+    # r26: the GDN pool kernel (engine rows of steps > 16 rows) by dv tile, warps and hints, against an XLA pass
+    # (its -eo forms, the output from the state as loaded, not yet run)
     pool-probe) timeout 300 python3 bench/probes/gdn_pool.py "$dest/gdn-pool-probe_gpu_$stamp.json" 32 64 128 2>&1 | grep -v Warning ;;
     spec-pool-ab) for f in old new; do timeout 250 python3 bench/probes/spec_pool_ab.py $f "$dest/spec-pool-ab-$f""_gpu_$stamp.json" \
                --k 3 2>&1 | grep -v Warning | grep "qwen\|shipped"; done ;;

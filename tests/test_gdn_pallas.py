@@ -184,12 +184,13 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     assert "triton" in text.lower()
 
 
-@pytest.mark.parametrize("T, options", [(3, {}), (1, {}), (3, {"block_v": 16, "evict_first": False, "num_warps": 4})])
+@pytest.mark.parametrize("T, options", [(3, {}), (1, {}), (3, {"block_v": 16, "evict_first": False, "num_warps": 4}),
+                                        (3, {"early_output": True}), (1, {"early_output": True})])
 def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options):
     """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
     position to checkpoints 0..W-1, other rows write their final state to checkpoint 0; other slots
     and checkpoints are untouched. T = 1 (decode) has its own store path; the options (a narrower dv tile,
-    no cache hints, 4 warps at T = 3) change only how the kernel runs."""
+    no cache hints, 4 warps at T = 3, the output from the state as loaded) change only how the kernel runs."""
     from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
     W = 3
