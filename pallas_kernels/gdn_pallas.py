@@ -142,7 +142,7 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
 
 
 def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref,
-                   *, T, W, group, dk, BV, scale, evict_first=False, early_output=False):
+                   *, T, W, group, dk, BV, scale, evict_first, early_output):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
     # evict_first: the state is read once and written once, so its lines may leave L2 first
@@ -187,7 +187,7 @@ def pooled_kernel_supports(dk: int, dv: int) -> bool:
 
 def pool_warps(T: int) -> int:
     """Warps of a pool-kernel program: 4 for decode rows, 2 for verify windows (T >= 2), where 4 spend
-    12-16% more at batch 32-128 (`gdn-pool-probe-r26`; batch 64: T = 2 62.1 against 72.0 us a layer,
+    10-17% more at batch 32-128 (`gdn-pool-probe-r26b`; batch 64: T = 2 62.1 against 72.0 us a layer,
     T = 4 102.9 against 115.1)."""
     return 4 if T == 1 else 2
 

@@ -22,10 +22,9 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-
-from jaxgdn.bench.common import environment, profile_summary
 from jax.experimental import pallas as pl
 
+from jaxgdn.bench.common import environment, profile_summary
 from pallas_kernels.common import interpret_default, on_gpu, triton_params
 from pallas_kernels.gdn_pallas import _value_block, gdn_recurrent_pooled, pool_warps
 
