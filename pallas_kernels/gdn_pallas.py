@@ -84,18 +84,13 @@ def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
 # ----------------------------------------------------------------------------- recurrent (decode / verify)
 
 
-def _delta_step(q, k, v, g, beta, scale, S, early_output: bool = False):
+def _delta_step(q, k, v, g, beta, scale, S):
     """One token of the recurrence on a [dk, BV] state tile: q, k [dk] (raw: L2-normed here), v [BV],
-    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32). early_output: the output
-    as e^g Sᵀq + δ (k·q) with δ = beta (v - e^g Sᵀk), both reductions over the state as loaded, so the
-    output does not wait on the update (the same value up to rounding)."""
+    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32). (Taking the output from
+    the state as loaded, e^g Sᵀq + δ (k·q), so it need not wait on the update, did not pay in the pool
+    kernel: within 1% at batch 32-128, `gdn-pool-probe-r27`.)"""
     q = _l2norm(q.astype(f32)) * scale
     k = _l2norm(k.astype(f32))
-    if early_output:
-        decay = jnp.exp(g)
-        delta = beta * (v.astype(f32) - decay * jnp.sum(S * k[:, None], axis=0))
-        o = decay * jnp.sum(S * q[:, None], axis=0) + delta * jnp.sum(k * q)
-        return S * decay + k[:, None] * delta[None, :], o
     S = S * jnp.exp(g)
     pred = jnp.sum(S * k[:, None], axis=0)  # Sᵀk: [BV]
     S = S + k[:, None] * (beta * (v.astype(f32) - pred))[None, :]
@@ -142,7 +137,7 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
 
 
 def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref,
-                   *, T, W, group, dk, BV, scale, evict_first, early_output):
+                   *, T, W, group, dk, BV, scale, evict_first):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
     # evict_first: the state is read once and written once, so its lines may leave L2 first
@@ -161,7 +156,7 @@ def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, ver
 
     def token(t, S):  # one token of the recurrence, its output row written
         S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], g_ref[b, t, h],
-                           beta_ref[b, t, h], scale, S, early_output)
+                           beta_ref[b, t, h], scale, S)
         o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
         return S
 
@@ -193,7 +188,7 @@ def pool_warps(T: int) -> int:
 
 
 def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int | None = None,
-                         block_v: int | None = None, evict_first: bool = True, early_output: bool = False):
+                         block_v: int | None = None, evict_first: bool = True):
     """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
 
     qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
@@ -205,9 +200,7 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
     load and stores (read once, written once): with 2 warps 3-7% faster on verify windows, within 1.5% on
-    decode rows (`gdn-pool-probe-r26b`: batch 64 T = 4 95.5 against 102.9 us a layer); early_output: see
-    `_delta_step` (a probe option, `-eo` forms of `bench/probes/gdn_pool.py`; checked on the CPU, not yet
-    timed on the H200).
+    decode rows (`gdn-pool-probe-r26b`: batch 64 T = 4 95.5 against 102.9 us a layer).
     """
     B, T, C = qkv.shape
     _, W, Hv, dk, dv = pool.shape
@@ -217,7 +210,7 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     assert dv % BV == 0 and BV >= 16, (dv, BV)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
     kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5,
-                               evict_first=evict_first, early_output=early_output)
+                               evict_first=evict_first)
     o, pool = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(B, Hv, dv // BV), input_output_aliases={7: 1}, interpret=interpret_default(interpret),

@@ -101,6 +101,16 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
 
+@pytest.mark.parametrize("T, B", [(1, 64), (2, 32), (4, 8)])
+def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B):
+    """The in-place pool kernel as the engine runs it (dv tiles of `_value_block`, `pool_warps(T)` warps,
+    evict-first hints; decode rows on the one-store path, verify windows on masked per-position stores)
+    against the fp32 reference: reads the start checkpoint, writes checkpoints in place, leaves the rest."""
+    from test_gdn_pallas import check_pooled_kernel
+
+    check_pooled_kernel(T, B=B, Hk=16, Hv=16, dk=128, dv=128, W=4, tol=1e-4)
+
+
 @pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])
 def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T, K, dtype):
     """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128: one

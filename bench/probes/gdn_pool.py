@@ -5,7 +5,7 @@ program shape, against an XLA pass that reads and writes the same fp32 state byt
 
 At batch 64 the pool kernel is ~0.69 ms of the 0.8B decode step (18 layers, each row's 1 MB fp32 state read
 and written at ~3.5 TB/s), the largest kernel there. Forms: `bv<BV>-w<W>` the kernel with a dv tile of BV
-columns on W warps, `-ef` with evict-first hints on the state's load and stores, `-eo` the output from the state as loaded (`_delta_step`'s early_output) (the engine's default:
+columns on W warps, `-ef` with evict-first hints on the state's load and stores (the engine's default:
 `_value_block`'s tile, `pool_warps(T)`, hints on; r26 chose the last two by this probe); `copy-bv<BV>-w<W>` a Pallas kernel of the same grid that only scales the state tile
 in place (what the tiling alone gets); `xla-scale` the state pool scaled in place by XLA (read + write of
 the same bytes: the bandwidth a plain pass gets). T = 1 rows (decode) and T = 2 and 4 verify rows (a
@@ -48,26 +48,25 @@ def pallas_scale(pool, slots, bv, warps):
 
 
 def parse(form):
-    """'bv64-w4-ef-eo' -> (kind, bv, warps, evict_first, early_output); xla-scale -> ('xla', 0, 0, False, False)."""
+    """'bv64-w4-ef' -> (kind, bv, warps, evict_first); xla-scale -> ('xla', 0, 0, False)."""
     if form == "xla-scale":
-        return "xla", 0, 0, False, False
+        return "xla", 0, 0, False
     parts = form.split("-")
     kind = "copy" if parts[0] == "copy" else "kernel"
     bv = next(int(x[2:]) for x in parts if x.startswith("bv"))
     warps = next(int(x[1:]) for x in parts if x.startswith("w"))
-    return kind, bv, warps, "ef" in parts, "eo" in parts
+    return kind, bv, warps, "ef" in parts
 
 
 def chained(form, layers, T, qkv, g, beta, rows, pools):
     """The form over `layers` pools, one after another on the stream. pools: tuple of [S, W, Hv, dk, dv]."""
     outs, new = [], []
-    kind, bv, w, ef, eo = parse(form)
+    kind, bv, w, ef = parse(form)
     for pool in pools:
         if kind != "kernel":
             new.append(pool * 0.999 if kind == "xla" else pallas_scale(pool, rows[0], bv, w))
             continue
-        o, pool = gdn_recurrent_pooled(qkv, g, beta, pool, *rows, num_warps=w, block_v=bv, evict_first=ef,
-                                       early_output=eo)
+        o, pool = gdn_recurrent_pooled(qkv, g, beta, pool, *rows, num_warps=w, block_v=bv, evict_first=ef)
         outs.append(o)
         new.append(pool)
     return outs, tuple(new)
@@ -102,8 +101,8 @@ def main(out_path, batches=(32, 64, 128)):
     gpu = on_gpu()
     forms = os.environ.get("PROBE_FORMS", "").split() or (
         ["xla-scale", "copy-bv64-w4", "copy-bv128-w4", "copy-bv64-w2"]
-        + [f"bv{bv}-w{w}" for bv in (32, 64, 128) for w in (2, 4, 8)] + ["bv64-w4-ef", "bv64-w2-ef", "bv64-w4-ef-eo", "bv64-w2-ef-eo"]
-        if gpu else ["bv64-w4", "bv32-w2-ef-eo", "copy-bv64-w4", "xla-scale"])
+        + [f"bv{bv}-w{w}" for bv in (32, 64, 128) for w in (2, 4, 8)] + ["bv64-w4-ef", "bv64-w2-ef"]
+        if gpu else ["bv64-w4", "bv32-w2-ef", "copy-bv64-w4", "xla-scale"])
     result = {"benchmark": "gdn-pool-probe", "rows": [], "env": environment(),
               "timing": "device us per layer from a profiler trace of chained layers (distinct donated pools)"}
     key = jax.random.PRNGKey(0)
