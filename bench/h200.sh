@@ -51,7 +51,7 @@ for step in $steps; do
     # 560 s since r25: with transformers + fla and the profile, a cold machine ran 300 s out at batch 64
     decode)  timeout 560 python3 -m jaxgdn.bench decode --profile /tmp/jaxgdn-profile --out "$dest/decode_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r25: decode at long rows (LONG_PROMPT tokens, default 2048), the one-kernel forms on (the split decode
-    # attention) and off (the XLA chains), one process each; not yet run
+    # attention) and off (the XLA chains), one process each; first run at r27 (decode-long-{on,off}-r27)
     decode-long) for f in on off; do
                timeout 280 python3 -m jaxgdn.bench decode --no-peer --prompt-len ${LONG_PROMPT:-2048} --batch 1 8 64 \
                  --fused-decode-kernels $f --out "$dest/decode-long-$f""_gpu_$stamp.json" 2>&1 | grep -v Warning
