@@ -184,7 +184,7 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     assert "triton" in text.lower()
 
 
-def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, interpret=None, **options):
+def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, **options):
     """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
     position to checkpoints 0..min(T, W)-1, other rows write their final state to checkpoint 0; other
     slots and checkpoints are untouched. Rows alternate verify / not, every third is fresh; errors are
@@ -197,7 +197,7 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, interpr
     slots = jnp.asarray(rng.permutation(B + 2)[:B])
     start = jnp.asarray(rng.integers(0, W, B))
     fresh, verify = jnp.arange(B) % 3 == 2, jnp.arange(B) % 2 == 0
-    run = jax.jit(lambda *a: gdn_recurrent_pooled(*a, interpret=interpret, **options))
+    run = jax.jit(lambda *a: gdn_recurrent_pooled(*a, **options))
     o, new = run(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
     expect = np.asarray(pool).copy()
     rel = lambda a, b: max_err(a, b) / max(float(jnp.abs(b).max()), 1.0)  # noqa: E731

@@ -1,5 +1,6 @@
-"""Probe: `bench spec` with the GDN pool kernel as it was before r26 (4 warps at every T, no cache hints) or
-as it is, one process each, to put the r26 kernel change's share in the verify step on the record.
+"""Probe: `bench spec` with the GDN pool kernel's r26 settings undone (4 warps at every T, no cache hints; its
+T = 1 store path stays the new one) or as it is, one process each, to put the r26 kernel change's share in the
+verify step on the record.
 
     python bench/probes/spec_pool_ab.py old|new OUT.json [bench spec args ...]   # on the H200 (PYTHONPATH=.)
 """
