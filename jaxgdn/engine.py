@@ -95,6 +95,7 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "error"
         else:
+            req.prompt_array()  # here, not in the step that first assembles its tokens
             self.scheduler.add(req)
         return rid
 

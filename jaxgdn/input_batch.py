@@ -131,7 +131,7 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         known_end = min(req.num_computed + row.num_tokens, req.prefill_len)
         if known_end > req.num_computed:
             t = qsl[b]
-            input_ids[t : t + known_end - req.num_computed] = req.token_slice(req.num_computed, known_end)
+            input_ids[t : t + known_end - req.num_computed] = req.token_array(req.num_computed, known_end)
     # Flat token j belongs to row row_of[j] at column col[j] of the [R, Q] view: cell row_of * Q + col of
     # the flattened view (flat indices: these writes take 0.17-0.25 ms at 8192 tokens against 0.34-0.35
     # with 2-D indices, on a 2-core CPU).

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 
+import numpy as np
+
 
 class RowKind(enum.IntEnum):
     """What one request's slice of a step is. Computed once, on the host, from request state; the same
@@ -102,9 +104,18 @@ class Request:
     # fill, spec_excess counts the unused ones removed so far (engine._apply).
     output_slack: int = 0
     spec_excess: int = 0
+    _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         self.prefill_len = len(self.prompt_token_ids)
+
+    def prompt_array(self) -> np.ndarray:
+        """prompt_token_ids as int32, made once (the engine makes it when it admits the request): a step's
+        assembly copies prompt tokens from it, where converting the list each time cost ~0.5 ms a step at
+        8192 tokens on a 2-core CPU."""
+        if self._prompt_array is None or len(self._prompt_array) != len(self.prompt_token_ids):
+            self._prompt_array = np.asarray(self.prompt_token_ids, np.int32)
+        return self._prompt_array
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -116,6 +127,13 @@ class Request:
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n_prompt) : end - n_prompt]
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """token_slice(start, end) as int32 (prompt tokens from prompt_array)."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_array()[start:end]
+        return np.asarray(self.token_slice(start, end), np.int32)
 
     def token_after(self, end: int) -> int:
         """The token at position `end` if known, else the PD prefill worker's next prompt token (or 0)."""

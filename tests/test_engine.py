@@ -229,6 +229,8 @@ def test_request_token_slice_matches_the_concatenated_sequence():
     for a in range(6):
         for b in range(a, 7):
             assert req.token_slice(a, b) == full[a:b]
+            got = req.token_array(a, b)  # the int32 form the step assembly copies from
+            assert got.dtype == np.int32 and got.tolist() == full[a:b]
     assert [req.token_after(p) for p in range(5)] == full and req.token_after(5) == 0
     req.next_prompt_token = 13
     assert req.token_after(5) == 13
