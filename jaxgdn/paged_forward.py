@@ -91,12 +91,12 @@ def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: in
 
 
 def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False,
-                    fused_decode: bool = True, prefetch: tuple = ()):
+                    fused_decode: bool = True):
     """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
     row's pages. impl "xla" gathers each row's pages into a contiguous view; "pallas" runs the paged flash
     kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow.
     With fused_decode, short rows run everything between the two products as one kernel
-    (`use_decode_attention_kernel`), whose extra programs read `prefetch` into L2 (see gdn_rows).
+    (`use_decode_attention_kernel`).
     whole_prompts (static; the host sets it, see `StepArrays.whole_prompts`): every row starts at
     position 0 (seq_lens == num_valid), and impl "xla" reads the step's own K/V instead of the pages
     (`fresh_prompt_attention`: cuDNN's flash attention on a GPU)."""
@@ -107,8 +107,7 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
         o, k_pool, v_pool = decode_attention_pooled(
             y, row_scale, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, kv.k, kv.v, view.kv_slots.reshape(-1),
             view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
-            view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype, prefetch=prefetch,
-            prefetch_programs=L2_PREFETCH_PROGRAMS)
+            view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
         return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
     q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
     P, ps, Hkv, D = kv.k.shape
@@ -204,16 +203,14 @@ def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) 
 
 
 def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str,
-             fused_decode: bool = True, prefetch: tuple = ()):
+             fused_decode: bool = True):
     """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
 
     With gdn_impl "pallas_pool", short rows (decode, spec verification) run the in-place pool kernel: it
     reads checkpoint num_accepted-1 of each row's slot and writes the new checkpoints straight into the
     pool, with no gathered copy of the states, after the conv kernel did the same for the conv windows
     (`pallas_kernels/conv_pallas.py`); with fused weights and fused_decode one kernel does the conv, gates,
-    recurrence and gated norm (`use_mixer_kernel`), and its extra programs read `prefetch` (the weights of the
-    products after it) into L2 (`L2_PREFETCH_PROGRAMS`). Otherwise the states are gathered, run, and scattered
-    back."""
+    recurrence and gated norm (`use_mixer_kernel`). Otherwise the states are gathered, run, and scattered back."""
     kc = cfg.linear_conv_kernel_dim
     K = slots.ssm.shape[1] - 1
     Q = h.shape[1]
@@ -227,8 +224,7 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         y, row_scale = linear_parts(h, p.fused)
         out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
                                           slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
-                                          view.verify_path, view.num_valid, dtype=h.dtype, prefetch=prefetch,
-                                          prefetch_programs=L2_PREFETCH_PROGRAMS)
+                                          view.verify_path, view.num_valid, dtype=h.dtype)
         return linear(out, p.out_proj), GDNSlots(conv=conv, ssm=ssm)
     source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
     if conv_kernel_supports(cfg.conv_dim):  # the conv's window read, compute and write in one kernel
@@ -303,21 +299,6 @@ def _row_maps(view: RowView, num_tokens: int, token_cell):
     return (lambda x: jax.tree_util.tree_map(to_rows, x)), to_flat
 
 
-# L2 prefetch: the one-kernel forms of decode rows (the GDN mixer, the decode attention kernel) run on few
-# SMs and move little; L2_PREFETCH_PROGRAMS more programs of theirs read the weights of the layer's products
-# after them (L2_PREFETCH_WEIGHTS: the mixer's output product, the MLP's gate/up and down) into the H200's
-# L2, so those products find them there (`pallas_kernels/common.with_l2_prefetch`). 0: off.
-L2_PREFETCH_PROGRAMS = 0
-L2_PREFETCH_WEIGHTS = ("out", "gate_up")
-
-
-def l2_prefetch_weights(p, attention: bool) -> tuple:
-    """The weights of a decoder layer's products after its token mixer that L2_PREFETCH_WEIGHTS names."""
-    named = {"out": p.mixer.o_proj if attention else p.mixer.out_proj,
-             "gate_up": p.mlp.fused if p.mlp.fused is not None else p.mlp.gate_proj, "down": p.mlp.down_proj}
-    return tuple(named[n] for n in L2_PREFETCH_WEIGHTS)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "whole_prompts",
                                              "fused_decode"))
 def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, cfg: ModelConfig, attention: bool,
@@ -334,16 +315,14 @@ def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, 
     to lower against 0.10 and 0.15 s through one nested jit, on 2 CPU cores lowering for CUDA
     (bench/results/step-trace-time-pallas-sites_cpu_20261201.json)."""
     to_rows, to_flat = _row_maps(view, x.shape[0], token_cell)
-    prefetch = l2_prefetch_weights(p, attention) if L2_PREFETCH_PROGRAMS else ()
 
     def mixer(h_flat):
         h = to_rows(h_flat)
         if attention:
             out, new_state = paged_attention(p.mixer, cfg, h, view, layer_state, attention_impl, whole_prompts,
-                                             fused_decode, prefetch)
+                                             fused_decode)
         else:
-            out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl, fused_decode,
-                                      prefetch)
+            out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl, fused_decode)
         return to_flat(out), new_state
 
     return residual_block(p, cfg, x, mixer)

@@ -333,17 +333,14 @@ def split_count(programs: int, tiles: int) -> int:
 def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, k_pool, v_pool, kv_slots,
                             block_tables, q_positions, old_lens, seq_lens, *, num_heads: int, dtype=None,
                             interpret=None, num_warps: int | None = None, pages_per_step: int | None = None,
-                            grouped: bool | None = None, splits: int | None = None, prefetch: tuple = (),
-                            prefetch_programs: int = 0):
+                            grouped: bool | None = None, splits: int | None = None):
     """The gated attention of short rows over the paged pools, written in place; shapes and semantics in the
     module docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of
     row_scale). Rows' new cells must use distinct slots (padding cells may share the null page's).
     num_warps, pages_per_step (pages per tile of the page loop): default NUM_WARPS, PAGES_PER_STEP's rule.
     grouped: one program per (row, KV head) with the group's query heads on matrix products
     (`_grouped_kernel`) instead of one per (row, query head); default `uses_grouped_form`. splits: the
-    grouped form's splits of each row's page tiles (default `split_count`; forces grouped when > 1).
-    prefetch, prefetch_programs: weights that (at least) prefetch_programs more programs read into L2
-    meanwhile (`common.with_l2_prefetch`)."""
+    grouped form's splits of each row's page tiles (default `split_count`; forces grouped when > 1)."""
     R, Q, N = y.shape
     _, ps, Hkv, D = k_pool.shape
     MP = block_tables.shape[1]
@@ -364,7 +361,7 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     if not grouped:
         kernel = functools.partial(_attention_kernel, **common)
         return call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, num_heads),
-                               num_warps or NUM_WARPS, interpret, prefetch, prefetch_programs)
+                               num_warps or NUM_WARPS, interpret)
     # matrix rows: the group's heads x Q tokens; every dot dimension at least 16 (Triton's smallest)
     PB = common["PB"] = max(pages_per_step, -(-16 // ps))
     M = max(16, pl.next_power_of_2(num_heads // Hkv * Q))
@@ -374,7 +371,7 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     if S > 1:
         out = (jax.ShapeDtypeStruct((R, Hkv, S, M), f32),) * 2 + (jax.ShapeDtypeStruct((R, Hkv, S, M, D), f32),)
     outputs = call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, Hkv, S),
-                              num_warps or NUM_WARPS, interpret, prefetch, prefetch_programs)
+                              num_warps or NUM_WARPS, interpret)
     if S == 1:
         return outputs
     m, l, acc, k_pool, v_pool = outputs

@@ -97,13 +97,10 @@ def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, eps, scaled):
 
 
 def gdn_mixer_pooled(y, row_scale, conv_weight, A_log, dt_bias, norm_weight, eps: float, conv_pool, ssm_pool, slots,
-                     start, fresh, verify, num_valid, dtype=None, interpret=None, num_warps: int = 4,
-                     prefetch: tuple = (), prefetch_programs: int = 0):
+                     start, fresh, verify, num_valid, dtype=None, interpret=None, num_warps: int = 4):
     """The GDN mixer of short rows over the engine's pools in place; shapes and semantics in the module
     docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of row_scale).
-    Rows must use distinct slots (padding rows may share the null slot: what they write there is never read).
-    prefetch, prefetch_programs: weights that (at least) prefetch_programs more programs read into L2
-    meanwhile (`common.with_l2_prefetch`)."""
+    Rows must use distinct slots (padding rows may share the null slot: what they write there is never read)."""
     B, T, _ = y.shape
     _, W, Hv, dk, dv = ssm_pool.shape
     C, Kc = conv_weight.shape[0], conv_weight.shape[-1]
@@ -117,5 +114,4 @@ def gdn_mixer_pooled(y, row_scale, conv_weight, A_log, dt_bias, norm_weight, eps
                                scaled=scaled)
     inputs = (conv_weight, A_log, dt_bias, norm_weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid))
     return call_on_product(kernel, y, row_scale, inputs, (conv_pool, ssm_pool),
-                           jax.ShapeDtypeStruct((B, T, Hv * dv), dtype), (B, Hk), num_warps, interpret,
-                           prefetch, prefetch_programs)
+                           jax.ShapeDtypeStruct((B, T, Hv * dv), dtype), (B, Hk), num_warps, interpret)

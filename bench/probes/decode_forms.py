@@ -18,8 +18,6 @@ FORM is one of
                r23's one kernel (EngineConfig.fused_decode_kernels=False turns off both)
     head-attention the decode attention kernel's per-query-head form for every step (r23-r24's rule) instead of
                r25's grouped, split form for steps of >= 16 rows or block tables of >= 256 keys
-    l2-og, l2-ogd  r28: the one-kernel forms' extra programs (`paged_forward.L2_PREFETCH_PROGRAMS` = 112) read
-               the layer's next weights into L2: out_proj and gate/up (og), also down (ogd)
 Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
 the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
@@ -38,8 +36,7 @@ from jaxgdn.bench.model import engine_decode_ms, load_model
 from pallas_kernels import decode_attention
 from pallas_kernels.common import on_gpu
 
-FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer", "xla-attention", "head-attention", "l2-og",
-         "l2-ogd")
+FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer", "xla-attention", "head-attention")
 
 
 def _product_form(form: str):
@@ -73,9 +70,6 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
         paged_forward.use_decode_attention_kernel = lambda *args, **kwargs: False
     if form == "head-attention":
         decode_attention.GROUPED_MIN_ROWS = decode_attention.GROUPED_MIN_KEYS = None
-    if form.startswith("l2-"):
-        paged_forward.L2_PREFETCH_PROGRAMS = 112
-        paged_forward.L2_PREFETCH_WEIGHTS = ("out", "gate_up", "down") if form == "l2-ogd" else ("out", "gate_up")
     gpu = on_gpu()
     params, cfg = load_model("qwen3.5-0.8b" if gpu else "checkpoints/qwen35-tiny-arith")
     result = {"benchmark": "decode-forms-probe", "form": form, "rows": [], "env": environment(),
