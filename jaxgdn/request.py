@@ -110,10 +110,10 @@ class Request:
         self.prefill_len = len(self.prompt_token_ids)
 
     def prompt_array(self) -> np.ndarray:
-        """prompt_token_ids as int32, made once (the engine makes it when it admits the request): a step's
-        assembly copies prompt tokens from it, where converting the list each time cost ~0.5 ms a step at
-        8192 tokens on a 2-core CPU."""
-        if self._prompt_array is None or len(self._prompt_array) != len(self.prompt_token_ids):
+        """prompt_token_ids (never changed after construction) as int32, made once (the engine makes it when
+        it admits the request): a step's assembly copies prompt tokens from it; converting the list in every
+        step took the build of a 1x8192 step from 0.43 to 1.17 ms on a 2-core CPU."""
+        if self._prompt_array is None:
             self._prompt_array = np.asarray(self.prompt_token_ids, np.int32)
         return self._prompt_array
 
