@@ -3,8 +3,8 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|conv-probe|prefill-ab ...]
-#   (default: all but the twenty-three extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab ...]
+#   (default: all but the twenty-one extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -90,19 +90,6 @@ for step in $steps; do
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: the chunked GDN's scan under launch settings beside fla's kernels; MLP forms at 8192 tokens
     scan-probes) timeout 330 python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # r29: the chunked GDN kernels convolving q, k, v themselves against the conv kernel feeding them (per
-    # layer, 0.8B widths), and the compiled test of that path
-    conv-probe) timeout 200 python3 -m pytest -q -p no:warnings -m gpu tests/test_gpu.py -k convolving 2>&1 | tail -3
-             timeout 300 python3 bench/probes/gdn_conv_fused.py "$dest/gdn-conv-fused-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # r29: prefill with the conv in the GDN kernels (default) and without (jaxgdn.gdn.CONV_IN_KERNELS), and
-    # with cuDNN attention left out of XLA's command buffers (the step's graph split at the attention
-    # layers), one process each; PREFILL_AB picks the runs
-    prefill-ab) for run in ${PREFILL_AB:-on off on-split on}; do
-               flags=""; conv=True
-               case $run in off) conv=False ;; on-split) flags=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL ;; esac
-               XLA_FLAGS=$flags timeout 200 python3 -c "import sys, jaxgdn.gdn as g; g.CONV_IN_KERNELS = $conv; from jaxgdn.bench.__main__ import main; sys.exit(main())" \
-                 prefill --no-peer --shapes 1x8192 1x2048 --out "$dest/prefill-conv-$run""_gpu_$stamp.json" 2>&1 | grep -v Warning
-             done ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it
     decode-kernels) timeout 300 python3 bench/probes/decode_kernels.py "$dest/decode-kernels-probe_gpu_$stamp.json" 1 64 \

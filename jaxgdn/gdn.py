@@ -10,17 +10,12 @@ import jax.numpy as jnp
 from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
 from pallas_kernels.gdn import (gated_delta_rule, gated_delta_rule_checkpoints, runs_chunked_pallas,
                                 use_prompt_conv_kernel)
-from pallas_kernels.gdn_pallas import CHUNK, ConvInput, OutputGate, conv_input, conv_input_supports
+from pallas_kernels.gdn_pallas import OutputGate
 
 from .config import ModelConfig
 from .mlp import linear, project, split_outputs
 from .norms import gated_rms_norm, upcast
 from .state import GDNState, empty_gdn_state
-
-
-# Whether the chunked Pallas kernels convolve q, k, v themselves on long rows (`gdn_inputs`'
-# conv_in_kernels); False keeps the whole-prompt conv kernel (bench/probes/gdn_conv_fused.py compares them).
-CONV_IN_KERNELS = True
 
 
 def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
@@ -109,9 +104,9 @@ def split_qkv(cfg: ModelConfig, u):
 class GDNInputs(NamedTuple):
     """What the GDN layer's core and output read (see `gdn_inputs`)."""
 
-    q: jax.Array | None  # [B, T, Hk, dk]; None where conv_in stands for q, k, v
-    k: jax.Array | None  # [B, T, Hk, dk]
-    v: jax.Array | None  # [B, T, Hv, dv]
+    q: jax.Array  # [B, T, Hk, dk]
+    k: jax.Array  # [B, T, Hk, dk]
+    v: jax.Array  # [B, T, Hv, dv]
     g: jax.Array  # [B, T, Hv] fp32 log decay
     beta: jax.Array  # [B, T, Hv] fp32
     z: jax.Array  # [B, T, Hv, dv] output gate
@@ -119,26 +114,18 @@ class GDNInputs(NamedTuple):
     mixed: jax.Array  # [B, T, C] the pre-conv inputs
     z_source: jax.Array  # [B, T, >=C'] an array holding z in place: the fused projection's product or z
     z_offset: int  # z's first column in z_source (value head h at z_offset + h * dv)
-    conv_in: ConvInput | None = None  # the pre-conv inputs for the chunked kernels to convolve
 
 
-def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto",
-               conv_in_kernels: bool = True) -> GDNInputs:
+def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto") -> GDNInputs:
     """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
     [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
-    impl: the GDN implementation; where it runs the chunked Pallas kernels on long rows, they convolve
-    q, k and v themselves as they load them (conv_in_kernels and `conv_input_supports`: conv_in is set, q,
-    k and v are None), else the conv kernel writes them (`causal_conv_prompt`)."""
+    impl: the GDN implementation; where it runs the Pallas kernels on long rows, so does the conv
+    (`causal_conv_prompt`, written straight into q, k and v)."""
     source, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
     B, T, _ = x.shape
     z_source, z_offset = (source, cfg.conv_dim) if p.fused is not None else (z.reshape(B, T, -1), 0)
     widths = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
-    dk, dv, Kc = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    if conv_in_kernels and use_prompt_conv_kernel(impl, T) and conv_input_supports(dk, dv, Kc):
-        conv_in = conv_input(source, p.conv1d, conv_window, cfg.linear_num_key_heads, dk, dv)
-        conv = conv_window_after(conv_window, mixed, num_valid)
-        return GDNInputs(None, None, None, g, beta, z, conv, mixed, z_source, z_offset, conv_in)
-    if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, Kc):
+    if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, cfg.linear_conv_kernel_dim):
         q, k, v = causal_conv_prompt(source, widths, p.conv1d, conv_window)
         heads = lambda a, h: a.reshape(B, T, h, -1)  # noqa: E731
         q, k = heads(q, cfg.linear_num_key_heads), heads(k, cfg.linear_num_key_heads)
@@ -172,14 +159,11 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
     B, T, _ = x.shape
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
-    W = spec_window + 1  # the caller guarantees T >= 1 + K
-    one_pass = bool(spec_window) and T == W  # one pass gives the output, the final state and every checkpoint
-    # The kernels convolve q, k, v themselves unless the checkpoints need more of them than the conv head
-    inp = gdn_inputs(p, cfg, x, state.conv, num_valid, impl,
-                     conv_in_kernels=CONV_IN_KERNELS and not one_pass and W <= CHUNK)
+    inp = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
     q, k, v, g, beta = inp.q, inp.k, inp.v, inp.g, inp.beta
+    W = spec_window + 1  # the caller guarantees T >= 1 + K
     fused_norm = False
-    if one_pass:
+    if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
         o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
     else:
         # Where the chunked Pallas kernel runs, its output kernel applies the gated norm, so the fp32 output
@@ -187,10 +171,8 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
         # (bench/results/gdn-output-norm-probe_gpu_20261201.json).
         fused_norm = runs_chunked_pallas(impl, T)
         gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
-        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl, gate=gate, conv=inp.conv_in)
+        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl, gate=gate)
         if spec_window:
-            if inp.conv_in is not None:  # the conv outputs of the first chunk, which holds the window
-                q, k, v = split_qkv(cfg, inp.conv_in.head[:, :W])
             head = lambda a: a[:, :W]  # noqa: E731
             _, _, states = gated_delta_rule_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm,
                                                         impl=impl)

@@ -121,49 +121,22 @@ def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, veri
 # ----------------------------------------------------------------------------- whole prompts (prefill)
 
 
-def conv_silu_tile(x_ref, w_ref, b, r0, n: int, cols, T: int, masked: bool = True):
-    """In a kernel: silu(conv) outputs r0 .. r0+n-1 of row b for channels `cols` (a pl.ds), fp32 [n, width].
-    Tap j reads input rows r0-(Kc-1)+j .., which must all be >= 0 (outputs from Kc-1 on: the earlier ones
-    read the window, `conv_silu_head`); masked: input rows >= T read as zero. x_ref [B, >=T, >=C] pre-conv
-    inputs; w_ref [Kc, C] one contiguous row per tap."""
-    from jax.experimental.pallas import triton as plt  # masked loads (also in interpret mode)
-
-    Kc = w_ref.shape[0]
-    acc = jnp.zeros((n, cols.size), f32)
-    for j in range(Kc):
-        start = r0 - (Kc - 1) + j
-        if masked:
-            mask = jnp.broadcast_to((start + jnp.arange(n) < T)[:, None], (n, cols.size))
-            xj = plt.load(x_ref.at[b, pl.ds(start, n), cols], mask=mask, other=0)
-        else:
-            xj = x_ref[b, pl.ds(start, n), cols]
-        acc += xj.astype(f32) * w_ref[j, cols].astype(f32)[None, :]
-    return acc * jax.nn.sigmoid(acc)
-
-
-def conv_silu_head(x, channels: int, w_taps, window, rows: int):
-    """The first `rows` outputs of each row's causal conv + SiLU, in XLA: [B, rows, channels] in x.dtype.
-    x [B, T, >=channels] pre-conv inputs (rows past T read as zero); w_taps [Kc, channels];
-    window [B, Kc-1, channels] the previous inputs, which outputs t < Kc-1 read."""
-    B, T, _ = x.shape
-    Kc = w_taps.shape[0]
-    x = x[:, :rows, :channels]
-    if T < rows:
-        x = jnp.pad(x, [(0, 0), (0, rows - T), (0, 0)])
-    full = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(f32)  # [B, Kc-1+rows, C]
-    acc = sum(full[:, j : j + rows] * w_taps[j].astype(f32) for j in range(Kc))
-    return (acc * jax.nn.sigmoid(acc)).astype(x.dtype)
-
-
 def _prompt_conv_kernel(x_ref, w_ref, *o_refs, T, Kc, BT, BC, bounds):
-    """One (row, tile of BT outputs, channel block): outputs t0+Kc-1 .. t0+Kc-2+BT (the first Kc-1 outputs,
-    which read the window, are the caller's). The channel block lies inside one of the outputs (q, k, v):
-    the others' stores are masked."""
-    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+    """One (row, tile of BT outputs, channel block): outputs t0+Kc-1 .. t0+Kc-2+BT, tap j reading input
+    rows t0+j ..: every load starts at a row >= 0 (the first Kc-1 outputs, which read the window, are the
+    caller's). The channel block lies inside one of the outputs (q, k, v): the others' stores are masked."""
+    from jax.experimental.pallas import triton as plt  # masked loads and stores (also in interpret mode)
 
     b, it, ic = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0, c0 = it * BT, ic * BC
-    out = conv_silu_tile(x_ref, w_ref, b, t0 + Kc - 1, BT, pl.ds(c0, BC), T)
+    cols = pl.ds(c0, BC)
+    acc = jnp.zeros((BT, BC), f32)
+    for j in range(Kc):
+        in_rows = t0 + j + jnp.arange(BT)
+        mask = jnp.broadcast_to((in_rows < T)[:, None], (BT, BC))
+        xj = plt.load(x_ref.at[b, pl.ds(t0 + j, BT), cols], mask=mask, other=0)
+        acc += xj.astype(f32) * w_ref[j, cols].astype(f32)[None, :]
+    out = acc * jax.nn.sigmoid(acc)
     out_rows = t0 + Kc - 1 + jnp.arange(BT)
     row_ok = (out_rows < T)[:, None]
     for o_ref, (lo, hi) in zip(o_refs, bounds):
@@ -201,5 +174,8 @@ def causal_conv_prompt(x, widths, weight, window, interpret=None, block_t: int =
         grid=(B, pl.cdiv(T - (Kc - 1), block_t), C // BC), interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps),
     )(x, w_taps)
-    head = conv_silu_head(x, C, w_taps, window, Kc - 1)  # the first Kc-1 outputs read the window
+    # The first Kc-1 outputs read the window: full = [window ‖ x[:, :Kc-1]], a few rows for XLA.
+    full = jnp.concatenate([window.astype(x.dtype), x[:, : Kc - 1, :C]], axis=1).astype(f32)
+    head = sum(full[:, j : j + Kc - 1] * w_taps[j].astype(f32) for j in range(Kc))
+    head = (head * jax.nn.sigmoid(head)).astype(x.dtype)
     return tuple(o.at[:, : Kc - 1].set(head[..., lo:hi]) for o, (lo, hi) in zip(outs, bounds))

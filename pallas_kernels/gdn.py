@@ -181,19 +181,17 @@ def available_gdn_impls() -> tuple[str, ...]:
     return tuple(_IMPLS)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None, conv=None):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None):
     """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
     "pallas_recurrent", "pallas_pool" or a registered kernel).
 
     gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
-    in its output kernel; o is then the normed output in z's dtype. conv: a `gdn_pallas.ConvInput`
-    standing for q, k and v (None), which the chunked Pallas kernel convolves itself. Both only where
-    `runs_chunked_pallas`."""
-    if gate is not None or conv is not None:
-        T = g.shape[1]
-        if not runs_chunked_pallas(impl, T):
-            raise ValueError(f"gate= and conv= need the chunked Pallas kernel; impl {impl!r} does not run it at T={T}")
-        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate, conv=conv)
+    in its output kernel; o is then the normed output in z's dtype. Only where `runs_chunked_pallas`."""
+    if gate is not None:
+        if not runs_chunked_pallas(impl, q.shape[1]):
+            raise ValueError(f"gate= needs the chunked Pallas kernel; impl {impl!r} does not run it at "
+                             f"T={q.shape[1]}")
+        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate)
     try:
         fn = _IMPLS[impl]
     except KeyError:

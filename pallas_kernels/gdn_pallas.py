@@ -38,7 +38,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .common import interpret_default, triton_params
-from .conv_pallas import conv_silu_head, conv_silu_tile
 
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
@@ -273,71 +272,9 @@ def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
     return inv
 
 
-class ConvInput(NamedTuple):
-    """The GDN layer's pre-conv inputs, for the chunked kernels to convolve as they load q, k and v (conv +
-    SiLU, as `jaxgdn.gdn.causal_conv_silu`): the conv's [B, T, C] output never goes to memory, only the
-    keys, which the prep kernel convolves and stores for the scan and output kernels. Make it with
-    `conv_input`.
-
-    x [B, T, >=C]: q‖k‖v before the conv in channels [0, C), C = 2 Hk dk + Hv dv (the fused projection's
-    whole product may be passed: nothing past C is read); taps [Kc, C] (tap Kc-1 on the current token);
-    head [B, CHUNK, C] in x.dtype: the conv outputs of each row's first chunk, made in XLA because they
-    read the window."""
-
-    x: jax.Array
-    taps: jax.Array
-    head: jax.Array
-    key_heads: int
-    key_dim: int
-    value_dim: int
-
-
-class _ConvLayout(NamedTuple):
-    """A `ConvInput`'s static layout for the kernels: prompt length and the first channels of q, k, v."""
-
-    T: int
-    q_col: int
-    k_col: int
-    v_col: int
-
-
-def conv_input_supports(dk: int, dv: int, Kc: int) -> bool:
-    """Heads of power-of-two widths >= 16 (no padding: the kernels read them in place) and a conv that
-    reaches back less than a chunk."""
-    tile = lambda d: d >= 16 and d == pl.next_power_of_2(d)  # noqa: E731
-    return tile(dk) and tile(dv) and Kc - 1 <= CHUNK
-
-
-def conv_input(x, weight, window, key_heads: int, key_dim: int, value_dim: int) -> ConvInput:
-    """A `ConvInput` from the layer's pre-conv inputs x [B, T, >=C], conv weight [C, 1, Kc] and conv
-    window [B, Kc-1, C] (the previous inputs, oldest first)."""
-    C = weight.shape[0]
-    taps = weight[:, 0, :].T
-    return ConvInput(x, taps, conv_silu_head(x, C, taps, window, CHUNK), key_heads, key_dim, value_dim)
-
-
-def _conv_tiles(x_ref, taps_ref, head_ref, conv: _ConvLayout, b, c, specs):
-    """In a kernel: chunk c's conv + SiLU outputs for specs [(row offset in the chunk, rows, first channel,
-    width)], a tuple of [rows, width] in x's dtype. Chunk 0's come from the head (its first outputs read
-    the window), the others' are convolved here from the pre-conv inputs."""
-
-    def from_head():
-        return tuple(head_ref[b, pl.ds(o, n), pl.ds(col, w)] for o, n, col, w in specs)
-
-    def convolve():
-        return tuple(conv_silu_tile(x_ref, taps_ref, b, c * CHUNK + o, n, pl.ds(col, w), conv.T,
-                                    masked=conv.T % CHUNK != 0).astype(x_ref.dtype) for o, n, col, w in specs)
-
-    return lax.cond(c == 0, from_head, convolve)
-
-
-def _prep_kernel(*refs, group, dtype, conv=None):
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group, dtype):
     """One (row, value head, chunk): γ, the blocked (I+A)⁻¹ (`_chunk_inverse`), U_i = Σ_j (T_ij β_j) V_j,
     W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j and the per-token key scale n e^{γ_last-γ} for the scan.
-
-    refs: k, v, g, beta, then the outputs w, u, kscale, gam; with conv (a `_ConvLayout`) the pre-conv
-    inputs, taps and head (`ConvInput`) stand for k and v, and one more output receives the keys the
-    conv made here, for the scan and output kernels.
 
     Keys and values stay raw in their input dtype (the matmul operands as loaded). The scan scales V'
     rather than reading scaled keys Kd = n e^{γ_last-γ} K stored here (r18): 127 µs against 151 at 1x8192
@@ -348,24 +285,7 @@ def _prep_kernel(*refs, group, dtype, conv=None):
     hk = h // group
     nsub = CHUNK // SUB
     rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
-    if conv is None:
-        k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref = refs
-        ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
-        value = lambda j: v_ref[b, rows[j], h, :]  # noqa: E731
-    else:
-        x_ref, taps_ref, head_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, k_out_ref = refs
-        dk, dv = w_ref.shape[-1], u_ref.shape[-1]
-        tiles = _conv_tiles(x_ref, taps_ref, head_ref, conv, b, c,
-                            [(i * SUB, SUB, conv.k_col + hk * dk, dk) for i in range(nsub)]
-                            + [(i * SUB, SUB, conv.v_col + h * dv, dv) for i in range(nsub)])
-        ks, vs = tiles[:nsub], tiles[nsub:]
-        value = lambda j: vs[j]  # noqa: E731
-
-        @pl.when(h % group == 0)  # one program of each key head stores its keys
-        def _():
-            for i in range(nsub):
-                k_out_ref[b, rows[i], hk, :] = ks[i]
-
+    ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
     inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
     betas = [beta_ref[b, r, h] for r in rows]
     gam = []
@@ -378,7 +298,7 @@ def _prep_kernel(*refs, group, dtype, conv=None):
     inv = _chunk_inverse(ks, inv_norm, betas, gam, dtype)
     w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
     for i in range(nsub):
-        u = sum(_dot(inv[i, j] * betas[j][None, :], value(j), dtype) for j in range(i + 1))
+        u = sum(_dot(inv[i, j] * betas[j][None, :], v_ref[b, rows[j], h, :], dtype) for j in range(i + 1))
         w = sum(_dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
         u_ref[b, rows[i], h, :] = u.astype(u_ref.dtype)
         w_ref[b, rows[i], h, :] = w.astype(w_ref.dtype)
@@ -407,11 +327,8 @@ def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref
     sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
 
 
-def _output_kernel(*refs, group, BV, scale, dtype, norm=None, conv=None):
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
     """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
-
-    refs: q, k, gam, h, vn[, z, weight], o; with conv (a `_ConvLayout`) the pre-conv inputs, taps and head
-    (`ConvInput`) stand for q, which is convolved here.
 
     norm = (eps, dv, z_offset, z_stride) (refs z, weight, out; the block a whole head): the GDN layer's
     gated RMS norm is applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z,
@@ -421,18 +338,11 @@ def _output_kernel(*refs, group, BV, scale, dtype, norm=None, conv=None):
     hk = h // group
     cols = pl.ds(iv * BV, BV)
     rows = pl.ds(n * CHUNK, CHUNK)
-    if conv is None:
-        q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs = refs
-        q = q_ref[b, rows, hk, :]
-    else:
-        x_ref, taps_ref, head_ref, k_ref, gam_ref, h_ref, vn_ref, *refs = refs
-        dk = k_ref.shape[-1]
-        (q,) = _conv_tiles(x_ref, taps_ref, head_ref, conv, b, n, [(0, CHUNK, conv.q_col + hk * dk, dk)])
     r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     gam = gam_ref[b, rows, h]
     decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
-    q = _l2norm(q.astype(f32)) * scale
+    q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
     k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
     intra = _dot(q, k.T, dtype) * decay
     o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
@@ -469,11 +379,8 @@ class OutputGate(NamedTuple):
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, out_dtype=None, conv: ConvInput | None = None):
+                       scan_stages: int | None = None, out_dtype=None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
-
-    conv: a `ConvInput` standing for q, k and v (pass None for them): the kernels convolve the layer's
-    pre-conv inputs as they load them (`conv_input_supports` says which heads).
 
     out_dtype: o's dtype without gate= (default fp32; fla's `chunk_gated_delta_rule` returns it in the
     inputs' dtype, which `bench kernels` asks for to compare the same work: the fp32 store is twice the
@@ -490,41 +397,27 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
     combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
     prep_warps, scan_warps, out_warps = warps
-    B, T, Hv = g.shape
-    if conv is None:
-        Hk, dk, dv = q.shape[2], q.shape[3], v.shape[3]
-        q, k, v, s0 = _pad_heads(q, k, v, initial_state)
-        dtype = jnp.promote_types(v.dtype, q.dtype)
-        layout = None
-    else:
-        Hk, dk, dv = conv.key_heads, conv.key_dim, conv.value_dim
-        assert conv_input_supports(dk, dv, conv.taps.shape[0]), (dk, dv, conv.taps.shape)
-        s0 = jnp.zeros((B, Hv, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
-        dtype = conv.x.dtype
-        layout = _ConvLayout(T, 0, Hk * dk, 2 * Hk * dk)
-    dkp, dvp = s0.shape[-2:]
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, s0 = _pad_heads(q, k, v, initial_state)
+    dkp, dvp = q.shape[-1], v.shape[-1]
     pad = (-T) % CHUNK
     g, beta = g.astype(f32), beta.astype(f32)
     if pad:  # padded steps: zero k, v, beta and g neither decay nor write the state
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        g, beta = padt(g), padt(beta)
-        if conv is None:
-            q, k, v = padt(q), padt(k), padt(v)
+        q, k, v, g, beta = (padt(x) for x in (q, k, v, g, beta))
     Tp, N = T + pad, (T + pad) // CHUNK
     # Intermediates are stored in the matmul operand dtype: the later kernels cast them to it anyway.
+    dtype = jnp.promote_types(v.dtype, q.dtype)
     interpret = interpret_default(interpret)
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
-    # With conv, the prep kernel reads the pre-conv inputs for k and v and also stores the keys it made.
-    prep_in, k_out = ((k, v), ()) if conv is None else ((conv.x, conv.taps, conv.head), (sds((B, Tp, Hk, dkp), dtype),))
-    w, u, kscale, gam, *k_made = pl.pallas_call(
-        functools.partial(_prep_kernel, group=group, dtype=dtype, conv=layout),
+    w, u, kscale, gam = pl.pallas_call(
+        functools.partial(_prep_kernel, group=group, dtype=dtype),
         out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv), f32),
-                   sds((B, Tp, Hv), f32), *k_out),
+                   sds((B, Tp, Hv), f32)),
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
-    )(*prep_in, g, beta)
-    if conv is not None:
-        (k,) = k_made
+    )(k, v, g, beta)
     BV = block_v or _value_block(dvp, B * Hv)
     if scan_stages is None:
         # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
@@ -558,10 +451,9 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
             z, z_offset, z_stride = z.reshape(B, Tp, Hv * dvp), 0, dvp
         BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
         gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
-    queries = (q,) if conv is None else (conv.x, conv.taps, conv.head)
     o = pl.pallas_call(
-        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm, conv=layout),
+        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
         out_shape=sds((B, Tp, Hv, dvp), out_dtype),
         grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
-    )(*queries, k, gam, h_enter, v_new, *gate_args)
+    )(q, k, gam, h_enter, v_new, *gate_args)
     return o[:, :T, :, :dv], sT[:, :, :dk, :dv]

@@ -107,8 +107,7 @@ def test_prompt_conv_kernel_equals_the_xla_conv_split_into_q_k_v(T, block_t, dty
 
 
 def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
-    """impl "pallas" routes a long row's conv through the kernel (q, k, v, window, mixed all equal) where the
-    GDN kernels do not convolve their inputs themselves."""
+    """impl "pallas" routes a long row's conv through the kernel (q, k, v, window, mixed all equal)."""
     from helpers import small_config
 
     from jaxgdn.config import LINEAR_ATTENTION
@@ -128,7 +127,7 @@ def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
     num_valid = jnp.array([T, 25])
     want = gdn_inputs(p, cfg, x, window, num_valid, impl="chunked")
     for mixer in (p, p_fused):
-        got = gdn_inputs(mixer, cfg, x, window, num_valid, impl="pallas", conv_in_kernels=False)
+        got = gdn_inputs(mixer, cfg, x, window, num_valid, impl="pallas")
         for name in ("q", "k", "v", "g", "beta", "z", "conv", "mixed"):
             np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
                                        rtol=1e-5, atol=1e-5, err_msg=name)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
-from pallas_kernels.gdn_pallas import OutputGate, conv_input, gdn_chunked_pallas, gdn_recurrent_pallas
+from pallas_kernels.gdn_pallas import OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
 from test_gdn_core import random_inputs
 
 
@@ -89,78 +89,6 @@ def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
     assert max_err(got, want) == 0.0
 
 
-def conv_case(B, T, Hk, Hv, dk, dv, dtype, extra=8, Kc=4, seed=0):
-    """Pre-conv inputs x [B, T, C + extra] (extra columns stand for z, b, a past q‖k‖v), conv weight, a
-    nonzero window, gates and a start state; and q, k, v made by the XLA conv (what the kernels read
-    without conv=)."""
-    from jaxgdn.gdn import causal_conv_silu
-
-    r = np.random.default_rng(seed)
-    C = 2 * Hk * dk + Hv * dv
-    x = jnp.asarray(r.standard_normal((B, T, C + extra)), dtype)
-    weight = jnp.asarray(r.standard_normal((C, 1, Kc)) * 0.5, dtype)
-    window = jnp.asarray(r.standard_normal((B, Kc - 1, C)), dtype)
-    g = -jnp.asarray(r.uniform(0, 2, (B, T, Hv)), jnp.float32)
-    beta = jnp.asarray(r.uniform(0, 1, (B, T, Hv)), jnp.float32)
-    s0 = jnp.asarray(r.standard_normal((B, Hv, dk, dv)), jnp.float32)
-    u, _ = causal_conv_silu(x[..., :C], window, weight)
-    q, k, v = (u[..., a:b] for a, b in ((0, Hk * dk), (Hk * dk, 2 * Hk * dk), (2 * Hk * dk, C)))
-    qkv = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
-    return conv_input(x, weight, window, Hk, dk, dv), qkv, g, beta, s0
-
-
-@pytest.mark.parametrize("B, T, Hk, Hv, dk, dv, dtype", [(2, 70, 2, 4, 16, 32, jnp.float32),
-                                                         (1, 130, 2, 2, 32, 16, jnp.float32),
-                                                         (2, 20, 1, 2, 16, 16, jnp.float32),
-                                                         (1, 128, 2, 2, 16, 16, jnp.bfloat16)])
-def test_chunked_kernel_convolving_its_inputs_equals_the_conv_then_the_kernel(B, T, Hk, Hv, dk, dv, dtype):
-    """conv=: the kernels convolve q, k, v from the pre-conv inputs (chunk 0 from the head, which reads the
-    window) against the XLA conv's q, k, v handed to the same kernels: a partial last chunk (70, 130), a
-    prompt shorter than a chunk (20), two value heads per key head, bf16 (the same roundings: equal).
-    With the gated norm too."""
-    conv, (q, k, v), g, beta, s0 = conv_case(B, T, Hk, Hv, dk, dv, dtype, seed=T)
-    want_o, want_s = gdn_chunked_pallas(q, k, v, g, beta, s0)
-    got_o, got_s = gdn_chunked_pallas(None, None, None, g, beta, s0, conv=conv)
-    assert got_o.shape == want_o.shape == (B, T, Hv, dv)
-    tol = 1e-5 if dtype == jnp.float32 else 0.0
-    assert max_err(got_o, want_o) <= tol and max_err(got_s, want_s) <= tol
-    gate = OutputGate(jnp.asarray(np.random.default_rng(1).standard_normal((B, T, Hv, dv)), dtype), jnp.ones(dv), 1e-6)
-    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=gate)
-    got, _ = gdn_chunked_pallas(None, None, None, g, beta, s0, gate=gate, conv=conv)
-    assert max_err(got, want) <= 1e-4
-
-
-@pytest.mark.parametrize("spec_window", [0, 2])
-def test_gdn_layer_with_the_conv_in_the_kernels_equals_the_xla_layer(spec_window):
-    """impl "pallas" on heads the kernels read in place (dk 16, dv 32, two value heads per key head): the
-    kernels convolve q, k, v themselves (gdn_inputs hands them the pre-conv product); output, state, conv
-    window and the spec checkpoints (from the conv head) equal the XLA chunked layer's, from a nonzero
-    start state with padded rows."""
-    from helpers import small_config
-
-    from jaxgdn.config import LINEAR_ATTENTION
-    from jaxgdn.gdn import gdn_inputs, gdn_layer
-    from jaxgdn.params import fuse_projections, init_random_params
-    from jaxgdn.state import GDNState
-
-    cfg = small_config(linear_value_head_dim=32)
-    params = fuse_projections(init_random_params(cfg, seed=5))
-    p = params.layers[cfg.layer_types.index(LINEAR_ATTENTION)].mixer
-    B, T = 2, 70
-    x = jax.random.normal(jax.random.PRNGKey(6), (B, T, cfg.hidden_size))
-    r = np.random.default_rng(7)
-    state = GDNState(conv=jnp.asarray(r.standard_normal((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)), jnp.float32),
-                     ssm=jnp.asarray(r.standard_normal((B, cfg.linear_num_value_heads, 16, 32)) * 0.1, jnp.float32))
-    num_valid = jnp.array([T, 41])
-    assert gdn_inputs(p, cfg, x, state.conv, num_valid, impl="pallas").conv_in is not None
-    want = gdn_layer(p, cfg, x, state, impl="chunked", num_valid=num_valid, spec_window=spec_window)
-    got = gdn_layer(p, cfg, x, state, impl="pallas", num_valid=num_valid, spec_window=spec_window)
-    assert max_err(got[0], want[0]) <= 1e-4 * max(1.0, float(jnp.abs(want[0]).max()))
-    for got_state, want_state in zip(got[1:], want[1:]):  # the new state, then the checkpoints
-        assert max_err(got_state.ssm, want_state.ssm) <= 1e-4
-        assert max_err(got_state.conv, want_state.conv) == 0.0
-
-
 def test_gate_needs_the_chunked_kernel():
     q, k, v, g, beta, s0 = random_inputs(T=5)
     gate = OutputGate(jnp.ones(v.shape), jnp.ones(v.shape[-1]), 1e-6)
@@ -232,7 +160,7 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "chunked-conv", "recurrent", "pooled"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
@@ -243,11 +171,6 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     elif kernel == "chunked-gated":
         z = jnp.ones((1, 70, 4, 128), jnp.bfloat16)
         fn = lambda *a: gdn_chunked_pallas(*a, interpret=False, gate=(z, jnp.ones(128), 1e-6))  # noqa: E731
-    elif kernel == "chunked-conv":  # q, k, v stand in for the pre-conv product (only their shapes matter)
-        def fn(q, k, v, g, beta, s0):
-            x, w, window = jnp.concatenate([q, k, v], 2).reshape(1, 70, -1), jnp.ones((1024, 1, 4)), jnp.ones((1, 3, 1024))
-            return gdn_chunked_pallas(None, None, None, g, beta, s0, interpret=False,
-                                      conv=conv_input(x, w.astype(x.dtype), window.astype(x.dtype), 2, 128, 128))
     elif kernel == "recurrent":
         fn = lambda *a: gdn_recurrent_pallas(*a, keep_states=True, interpret=False)  # noqa: E731
     else:
