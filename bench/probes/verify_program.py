@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import load_model, make_engine
@@ -33,10 +32,9 @@ def main(out_path: str) -> None:
         for _ in range(6):
             eng.step()
         r = eng.runner
-        host_buf, layout, stochastic, num_steps, whole = r.last_device_args
+        num_steps = r.last_device_args.num_steps
         t0 = time.perf_counter()
-        lowered = r._step.lower(r.params, r.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32), host_buf, layout,
-                                stochastic, num_steps, whole)
+        lowered = r.lower_last_launch()
         hlo = lowered.compile().as_text()
         row = {"K": K, "steps_per_launch": num_steps, "while": len(re.findall(r"\bwhile\(", hlo)),
                "conditional": len(re.findall(r"\bconditional\(", hlo)),
