@@ -60,18 +60,17 @@ def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
     return out
 
 
-def _packed_step(params: ModelParams, state: EngineState, resident, result, layout: tuple, stochastic: bool,
+def _packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
                  num_steps: int = 1, whole_prompts: bool = False, rebases: bool = False, **static):
-    """The jitted entry: unpack the step's input, run the step, and pack the four results into one int32
-    buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a single device-to-host copy. Returns
-    (state, flat).
+    """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
+    the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
+    single device-to-host copy. Returns (state, flat, resident).
 
-    resident: int32[n], this step's packed arrays (`_copy_in` wrote them), the same device buffer every
-    step of this size. result: int32[len(flat)], donated, the same buffer every step of this size: flat is
-    written into it. So no buffer of the step moves between steps (the state is donated too), and XLA
-    launches the step's CUDA graph without updating it first: an update and launch of a graph of 480
-    kernels blocked the host 1.7 ms, a launch of the unchanged graph 0.18 ms
-    (bench/results/graph-launch-probe-480-r29_gpu_20261203.json).
+    host_input: int32[n], this step's packed arrays, a new device buffer every step. resident: int32[n + 1],
+    donated, the same device buffer every step of this size. XLA's CUDA graphs hold the addresses of their
+    buffers; reading the input from resident keeps every kernel but the first copy at fixed addresses, so
+    the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
+    simplified into reading host_input directly; the barrier keeps the readers on the copy.)
     stochastic (static): some row samples with temperature > 0.
     num_steps (static): > 1 runs that many model steps in one launch (every row a 1-token decode row, or
     every row an MTP verify window of 1+K): step j sees the arrays advanced by the tokens each row
@@ -83,24 +82,7 @@ def _packed_step(params: ModelParams, state: EngineState, resident, result, layo
     the step's own K/V instead of the pages.
     rebases (static): rows may carry the rebase flag (async scheduling with MTP): the host booked their
     previous launch as if every draft were accepted, so they start where state.num_computed says."""
-    state, flat = _model_steps(params, state, resident, layout, stochastic, num_steps, whole_prompts, rebases,
-                               **static)
-    if flat.shape != result.shape:
-        raise ValueError(f"result buffer {result.shape} for a flat result {flat.shape} (see result_size)")
-    # Written into the buffer, not just returned: an unread argument would be pruned, and its donation lost.
-    return state, jax.lax.dynamic_update_slice(result, flat, (0,))
-
-
-def result_size(layout: tuple, num_drafts: int, num_steps: int) -> int:
-    """Length of a launch's flat result (`_packed_step`) for the input layout (pack_step_arrays')."""
-    shapes = {name: shape for name, shape, _ in layout}
-    R, T = shapes["idx_mapping"][0], shapes["input_ids"][0]
-    return num_steps * (R * (1 + num_drafts) + R + R * num_drafts + T)
-
-
-def _model_steps(params: ModelParams, state: EngineState, resident, layout: tuple, stochastic: bool,
-                 num_steps: int, whole_prompts: bool, rebases: bool, **static):
-    """_packed_step's work: (state, flat) from the packed input."""
+    resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
     a = unpack_step_arrays(resident, layout)
 
     def one_step(state, arrays):
@@ -116,7 +98,7 @@ def _model_steps(params: ModelParams, state: EngineState, resident, layout: tupl
     page_size = _kv_page_size(state)
     if num_steps == 1 and not rebases:
         state, flat, _ = one_step(state, a)
-        return state, flat
+        return state, flat, resident
     # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
     # kernels one by one from the host on each iteration, which on the H200 cost more than the launches it
     # saves (2.52 ms per step at batch 1 against 1.40 unrolled and 2.07 for one step per launch;
@@ -132,7 +114,7 @@ def _model_steps(params: ModelParams, state: EngineState, resident, layout: tupl
         state, flat, num_sampled = one_step(state, arrays)
         emitted = emitted + num_sampled
         flats.append(flat)
-    return state, jnp.concatenate(flats)
+    return state, jnp.concatenate(flats), resident
 
 
 def _kv_page_size(state: EngineState) -> int:
@@ -322,15 +304,7 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded, rebases=rebases,
                                      fused_decode=fused_decode),
-                   donate_argnums=(1, 3), static_argnums=(4, 5, 6, 7))
-
-
-# A step's input reaches its resident buffer in a program of its own (one copy), so the step's graph reads
-# it at a fixed address; the host fetches a copy of the result, so the step's result buffer can be donated
-# to the next step of its size.
-_copy_in = jax.jit(lambda resident, host_input: jax.lax.dynamic_update_slice(resident, host_input, (0,)),
-                   donate_argnums=0)
-_copy_out = jax.jit(lambda result: result + 0)  # XLA copies: the output cannot alias an undonated input
+                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
 
 
 class ModelRunner:
@@ -347,11 +321,10 @@ class ModelRunner:
         self.state = state
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_device_args: LaunchArgs | None = None  # the last launch's, for benchmarks to replay
-        # One resident input buffer per input size and one result buffer per result size (int32), each kept
-        # at one device address from step to step: see _packed_step. Most recently used last;
-        # enforce_eager's exact shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
+        # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
+        # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
+        # shapes make many sizes, so only the newest MAX_RESIDENT_INPUTS are kept.
         self._resident_inputs: dict[int, Any] = {}
-        self._resident_results: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
         # fused_decode: EngineConfig.fused_decode_kernels
@@ -368,7 +341,7 @@ class ModelRunner:
         state threads through; no host preparation, no token fetch): the device side of a step (a launch of
         num_steps decode steps counts num_steps). fresh_input: the
         input is copied to a new device buffer before each call, as real steps do; False: one device copy
-        of it serves every call (its copy into the resident buffer then reads a fixed address too).
+        of it serves every call (the whole graph at fixed addresses, what the resident buffer approaches).
         The replays advance the device state past what the scheduler knows, so only call it on an engine
         whose work is done (benchmarks)."""
         if self.last_device_args is None:
@@ -388,32 +361,17 @@ class ModelRunner:
         return (time.perf_counter() - t0) / (iters * num_steps) * 1e3
 
     def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1, whole_prompts: bool = False):
-        """Launch the jitted step on a device input (int32[n]): copied into this size's resident buffer
-        first, the result written into this size's result buffer (see _packed_step); self.state advances.
-        Returns a copy of the flat result (the next step of its size takes the buffer)."""
+        """Launch the jitted step on a device input (int32[n]) with this size's resident buffer, which
+        the step donates and returns; self.state advances. Returns the step's flat result buffer."""
         size = step_input.shape[0]
-        rsize = result_size(layout, self.state.draft_tokens.shape[1], num_steps)
-        resident = _copy_in(self._take_resident(self._resident_inputs, size), step_input)
-        result = self._take_resident(self._resident_results, rsize)
-        self.state, result = self._step(self.params, self.state, resident, result, layout, stochastic, num_steps,
-                                        whole_prompts)
-        self._resident_inputs[size], self._resident_results[rsize] = resident, result
-        return _copy_out(result)
-
-    def lower_last_launch(self):
-        """The jitted step lowered for the last launch's arguments (tests and probes read its HLO)."""
-        host_buf, layout, stochastic, num_steps, whole_prompts = self.last_device_args
-        result = jnp.zeros(result_size(layout, self.state.draft_tokens.shape[1], num_steps), jnp.int32)
-        return self._step.lower(self.params, self.state, jnp.asarray(host_buf), result, layout, stochastic,
-                                num_steps, whole_prompts)
-
-    def _take_resident(self, buffers: dict[int, Any], size: int):
-        """This size's buffer out of `buffers` (a zeroed new one the first time), evicting the least
-        recently used sizes beyond MAX_RESIDENT_INPUTS; the caller puts it back, most recent last."""
-        buf = buffers.pop(size, None)
-        while len(buffers) >= self.MAX_RESIDENT_INPUTS:
-            del buffers[next(iter(buffers))]
-        return jnp.zeros(size, jnp.int32, device=self.device) if buf is None else buf
+        resident = self._resident_inputs.pop(size, None)
+        while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
+            del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
+        if resident is None:
+            resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
+        self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
+                                                                   layout, stochastic, num_steps, whole_prompts)
+        return flat
 
     @property
     def num_compiled_shapes(self) -> int:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment, load_trace
 from jaxgdn.bench.model import load_model, make_engine
@@ -164,7 +165,9 @@ def main(out_path=None, batches=(1, 64)):
         for _ in range(6):  # prompts, then decode launches
             eng.step()
         runner = eng.runner
-        compiled = runner.lower_last_launch().compile()
+        host_buf, layout, stochastic, num_steps, whole = runner.last_device_args
+        compiled = runner._step.lower(runner.params, runner.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32),
+                                      host_buf, layout, stochastic, num_steps, whole).compile()
         hlo_text = compiled.as_text()
         sources = hlo_sources(hlo_text)
         if out_path:  # the compiled step itself, to join other traces against later

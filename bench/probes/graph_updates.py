@@ -60,8 +60,6 @@ def main():
             leaves = jax.tree_util.tree_leaves(runner.state)
             now = {f"state[{i}]{tuple(x.shape)}": x.unsafe_buffer_pointer() for i, x in enumerate(leaves)}
             now.update({f"resident[{n}]": x.unsafe_buffer_pointer() for n, x in runner._resident_inputs.items()})
-            now.update({f"result[{n}]": x.unsafe_buffer_pointer()
-                        for n, x in getattr(runner, "_resident_results", {}).items()})
             now["flat"] = launched[-1].unsafe_buffer_pointer()
             moved = [k for k in now if previous and previous.get(k) != now[k]]
             print(f"STEP {batch}x{length} {step}: {len(now)} buffers, moved since last step: {moved}", flush=True)

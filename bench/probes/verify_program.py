@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment
 from jaxgdn.bench.model import load_model, make_engine
@@ -32,9 +33,10 @@ def main(out_path: str) -> None:
         for _ in range(6):
             eng.step()
         r = eng.runner
-        num_steps = r.last_device_args.num_steps
+        host_buf, layout, stochastic, num_steps, whole = r.last_device_args
         t0 = time.perf_counter()
-        lowered = r.lower_last_launch()
+        lowered = r._step.lower(r.params, r.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32), host_buf, layout,
+                                stochastic, num_steps, whole)
         hlo = lowered.compile().as_text()
         row = {"K": K, "steps_per_launch": num_steps, "while": len(re.findall(r"\bwhile\(", hlo)),
                "conditional": len(re.findall(r"\bconditional\(", hlo)),
