@@ -3,8 +3,8 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab ...]
-#   (default: all but the twenty-one extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch ...]
+#   (default: all but the twenty-two extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -90,6 +90,12 @@ for step in $steps; do
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: the chunked GDN's scan under launch settings beside fla's kernels; MLP forms at 8192 tokens
     scan-probes) timeout 330 python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # r29: a CUDA graph's launch with its buffers moving or fixed (bench/probes/graph_launch.py), elementwise
+    # and GEMM chains of 480 kernels
+    graph-launch) for kind in elementwise gemm; do
+               timeout 150 python3 bench/probes/graph_launch.py "$dest/graph-launch-probe-$kind""_gpu_$stamp.json" 480 $kind \
+                 2>&1 | grep -v Warning
+             done ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it
     decode-kernels) timeout 300 python3 bench/probes/decode_kernels.py "$dest/decode-kernels-probe_gpu_$stamp.json" 1 64 \

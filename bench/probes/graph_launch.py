@@ -13,7 +13,11 @@ Per way: host µs of the call (launch), wall µs of one call from idle (launch +
 call back to back. If "fixed_io" launches much faster and its wall time is nearer the device time, the
 engine's step should keep every buffer of its graph at a fixed address.
 
-    python bench/probes/graph_launch.py OUT.json [N]     # on the H200; CPU: runs, no graphs
+    python bench/probes/graph_launch.py OUT.json [N [elementwise|gemm]]   # on the H200; CPU: runs, no graphs
+
+r29 ran the elementwise chain only (graph-launch-probe-{120,480}-r29): fixed_io launched in 0.08 / 0.18 ms, but
+the engine's step with every buffer pinned (prefill-io-new-r29, prefill-io-skiptemp-r29) still took ~1.9 ms
+to launch. "gemm" puts library GEMM nodes in the chain, the next suspect for that difference.
 """
 
 import json
@@ -27,20 +31,28 @@ import numpy as np
 from jaxgdn.bench.common import environment
 
 
-def chain(n: int):
+def chain(n: int, kind: str):
+    """kind "elementwise": each link a pass over x; "gemm": each link x[64, 1024] @ w[1024, 1024] in bf16
+    (a library GEMM node, as the engine's weight products are), w a constant of the program."""
+    w = jnp.eye(1024, dtype=jnp.bfloat16) if kind == "gemm" else None
+
     def f(x, out):
         y = x
         for i in range(n):
-            y = jax.lax.optimization_barrier(y * 1.0001 + 1e-3 * i)
+            if kind == "gemm":
+                y = jax.lax.optimization_barrier(jnp.dot(y.reshape(64, -1).astype(jnp.bfloat16), w).astype(y.dtype)
+                                                 .reshape(y.shape) + 1e-3 * i)
+            else:
+                y = jax.lax.optimization_barrier(y * 1.0001 + 1e-3 * i)
         return out.at[:].set(y)
 
     return f
 
 
-def main(out_path=None, n=480):
-    rows_n = 1 << 20 if jax.default_backend() == "gpu" else 1 << 10
+def main(out_path=None, n=480, kind="elementwise"):
+    rows_n = (1 << 20 if jax.default_backend() == "gpu" else 1 << 10) if kind == "elementwise" else 64 * 1024
     x_host = np.ones((rows_n,), np.float32)
-    f = jax.jit(chain(n), donate_argnums=(1,))
+    f = jax.jit(chain(n, kind), donate_argnums=(1,))
     rows = []
     for way in ("fresh_io", "fixed_input", "fixed_io", "fresh_io"):
         x_fixed = jax.device_put(x_host)
@@ -70,7 +82,7 @@ def main(out_path=None, n=480):
             r = call()
         jax.block_until_ready(r)
         device = (time.perf_counter() - t0) / 15 * 1e6
-        row = {"way": way, "kernels": n, "launch_us": round(float(np.median(launch)), 1),
+        row = {"way": way, "kind": kind, "kernels": n, "launch_us": round(float(np.median(launch)), 1),
                "wall_us": round(float(np.median(wall)), 1), "back_to_back_us": round(device, 1)}
         print(row, flush=True)
         rows.append(row)
@@ -80,4 +92,5 @@ def main(out_path=None, n=480):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None, int(sys.argv[2]) if len(sys.argv) > 2 else 480)
+    main(sys.argv[1] if len(sys.argv) > 1 else None, int(sys.argv[2]) if len(sys.argv) > 2 else 480,
+         sys.argv[3] if len(sys.argv) > 3 else "elementwise")
