@@ -65,9 +65,10 @@ for step in $steps; do
                --out "$dest/decode-fla_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     decode-sync) timeout 300 python3 -m jaxgdn.bench decode --async-scheduling off --no-peer --profile /tmp/jaxgdn-profile-sync \
                --out "$dest/decode-sync_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer \
+    prefill-pallas) timeout 240 python3 -m jaxgdn.bench prefill --attention-impl pallas --no-peer --stream-steps 0 \
                --out "$dest/prefill-pallas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    prefill) timeout 240 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    # 400 s since r29: each shape also runs a stream of 8 steps (--stream-steps) on an engine of its own
+    prefill) timeout 400 python3 -m jaxgdn.bench prefill --profile /tmp/jaxgdn-profile-prefill --out "$dest/prefill_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # spec alone in a call: with 4 verify steps per launch its 0.8B programs compile for minutes (r14 ran
     # past 340 s); spec-sync times MTP with synchronous scheduling (the default is async) the same way
     spec)    timeout 560 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
@@ -105,7 +106,7 @@ for step in $steps; do
     fold-ab) i=0; t=$(python3 -c "from jaxgdn.norms import POST_SCALE_MAX_TOKENS as t; print(t)")
              for run in ${FOLD_RUNS:-decode:on decode:off prefill:on prefill:off decode:on}; do
                i=$((i + 1)); bench=${run%:*}; f=${run#*:}
-               if [ "$bench" = decode ]; then extra="--batch 1 8 64"; else extra="--shapes 1x2048 1x8192 8x1024"; fi
+               if [ "$bench" = decode ]; then extra="--batch 1 8 64"; else extra="--shapes 1x2048 1x8192 8x1024 --stream-steps 0"; fi
                timeout 150 python3 -m jaxgdn.bench "$bench" --no-peer $extra --fold-norms "$f" \
                  --out "$dest/$bench-fold$t-$f-$i""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;

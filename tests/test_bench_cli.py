@@ -40,7 +40,7 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
 @pytest.mark.parametrize("command, extra", [
     ("decode", ["--batch", "1", "2", "--steps", "8", "--bandwidth-bytes", "1000000", "--profile", "PROFILE",
                 "--async-scheduling", "on", "--decode-steps-per-launch", "2"]),
-    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE"]),
+    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE", "--stream-steps", "3"]),
 ])
 def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     extra = [str(tmp_path / "profile") if a == "PROFILE" else a for a in extra]
@@ -65,6 +65,9 @@ def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     else:  # the step's wall time split: host phases of the timed steps and the replayed device step
         assert {"schedule", "build", "transfer", "dispatch", "wait"} <= set(d["rows"][0]["host_phase_ms"])
         assert 0 < d["rows"][0]["device_ms"]
+        for r in d["rows"]:  # the stream of 3 steps back to back (async scheduling): one launch a step, timed
+            assert r["stream_steps"] == 3 and r["stream_ms_per_step"] > 0
+            assert r["stream_tokens_per_s"] == pytest.approx(r["batch"] * r["length"] / r["stream_ms_per_step"] * 1e3)
     assert len(d["rows"]) == 2 and d["weight_bytes"] > 0
     for r in d["rows"]:
         assert r["tokens_per_s"] > 0 and r.get("roofline_ms", r.get("flop_floor_ms")) > 0

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")
+            m.add_argument("--stream-steps", type=int, default=8, metavar="N",
+                           help="also time a stream of N steps of each shape back to back with async scheduling "
+                                "(a prefill worker's throughput; 0: skip)")
     sp = add("spec", "MTP speculative decoding: acceptance, tokens/s, where it pays")
     sp.add_argument("--shipped-model", default=str(DEFAULT_MODEL), help="checkpoint with an MTP head and tokenizer")
     sp.add_argument("--num-prompts", type=int, default=32)

@@ -275,6 +275,35 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
     return statistics.median(runs) * 1e3, split, profile
 
 
+def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 8, gdn_impl: str = "auto",
+                             attention_impl: str = "xla", fold_norms: bool = True) -> float:
+    """ms per step of a stream of prefill steps: steps x batch prompts of `length` tokens queued at once,
+    one step of `batch` whole prompts each, run back to back with async scheduling (the engine builds and
+    launches step n+1 before step n's tokens come back, so the host's part of a step hides behind the
+    device's part of the one before), timed from the first step to the last tokens back, after one
+    untimed round (compile, warm-up). A prefill worker's throughput, where engine_prefill_ms is one step's
+    latency."""
+    from ..request import SamplingParams
+
+    # two steps' worth of slots and pages: the next step's prompts are admitted while the last is in flight
+    eng = make_engine(params, cfg, batch=2 * batch, max_model_len=length + 8, max_batched=batch * length,
+                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=True, fold_norms=fold_norms)
+    rng = np.random.default_rng(length + 1)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for _ in range(2):  # the first round compiles
+        for _ in range(steps * batch):
+            eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, length)], sp)
+        launches = eng.num_launches
+        t0 = time.perf_counter()
+        while eng.has_unfinished:
+            eng.step()
+        seconds = time.perf_counter() - t0
+        launches = eng.num_launches - launches
+        if launches != steps:
+            raise RuntimeError(f"a stream of {steps} prefill steps of {batch}x{length} took {launches} launches")
+    return seconds / steps * 1e3
+
+
 # ----------------------------------------------------------------------------- transformers peer
 
 
@@ -402,7 +431,8 @@ DECODE_TIMING = ("wall time per decode step, all rows decoding, steady state: th
                  "them, timed launches whole (a launch runs several decode steps with decode_steps_per_launch > "
                  "1); results before r7 (2026-11-30) divided by the tokens launched and could end on a partly "
                  "masked launch (up to 1.43x high with async scheduling), before 2026-11-30 r5 the median call")
-PREFILL_TIMING = "median wall time of one engine step running whole prompts (host prep, step, token fetch)"
+PREFILL_TIMING = ("median wall time of one engine step running whole prompts (host prep, step, token fetch); "
+                  "stream_*: a stream of such steps back to back with async scheduling, per step")
 
 
 def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
@@ -432,13 +462,20 @@ def bench_prefill(args) -> dict:
         if kernels:
             row["profile_per_step"] = kernels
         row["over_floor"] = ms / row["flop_floor_ms"]
+        if args.stream_steps:
+            stream = engine_prefill_stream_ms(params, cfg, batch, length, args.stream_steps, gdn_impl=args.gdn_impl,
+                                              attention_impl=args.attention_impl, fold_norms=args.fold_norms == "on")
+            row.update(stream_steps=args.stream_steps, stream_ms_per_step=stream,
+                       stream_tokens_per_s=batch * length / stream * 1e3, stream_over_floor=stream / row["flop_floor_ms"])
         rows.append(row)
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
         peer = _peer(row, "transformers_ms", ms, measure,
                      lambda: args.save_partial(_prefill_payload(args, sizes, tflops, rows)))
+        stream = (f"  stream {row['stream_ms_per_step']:.2f} ms/step ({row['stream_over_floor']:.2f}x)"
+                  if args.stream_steps else "")
         print(f"prefill {batch}x{length}: {ms:.2f} ms (device {row['device_ms']:.2f})  "
               f"{row['tokens_per_s']:10.0f} tok/s  FLOP floor "
-              f"{row['flop_floor_ms']:.2f} ms ({row['over_floor']:.1f}x){peer}", flush=True)
+              f"{row['flop_floor_ms']:.2f} ms ({row['over_floor']:.1f}x){stream}{peer}", flush=True)
     return _prefill_payload(args, sizes, tflops, rows)
 
 

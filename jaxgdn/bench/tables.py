@@ -69,12 +69,14 @@ def decode_table(d: dict) -> list[str]:
 
 
 def prefill_table(d: dict) -> list[str]:
-    columns = ["shape", "ms", "device ms", "tokens/s", "FLOP floor ms", "over floor", "transformers ms", "speed-up"]
+    columns = ["shape", "ms", "device ms", "tokens/s", "FLOP floor ms", "over floor", "stream ms/step",
+               "stream over floor", "transformers ms", "speed-up"]
     return _table(columns, d["rows"],
                   lambda r: [f"{r['batch']}x{r['length']}", f"{r['ms']:.2f}", _fmt(r.get("device_ms"), ".2f"),
                              f"{r['tokens_per_s']:.0f}",
-                             f"{r['flop_floor_ms']:.2f}", f"{r['over_floor']:.1f}x", _fmt(r.get("transformers_ms"), ".1f"),
-                             _fmt(r.get("speedup_vs_transformers"), ".1f")])
+                             f"{r['flop_floor_ms']:.2f}", f"{r['over_floor']:.1f}x",
+                             _fmt(r.get("stream_ms_per_step"), ".2f"), _fmt(r.get("stream_over_floor"), ".2f") + ("x" if "stream_over_floor" in r else ""),
+                             _fmt(r.get("transformers_ms"), ".1f"), _fmt(r.get("speedup_vs_transformers"), ".1f")])
 
 
 def spec_table(d: dict) -> list[str]:
