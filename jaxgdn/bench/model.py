@@ -106,6 +106,12 @@ def make_engine(params, cfg, **config):
     return LLMEngine(params, cfg, bench_engine_config(**config))
 
 
+def add_random_prompts(eng, rng, count: int, length: int, sp) -> None:
+    """Queue `count` prompts of `length` random token ids (rng: a numpy Generator) with sampling params sp."""
+    for _ in range(count):
+        eng.add_request([int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)], sp)
+
+
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "xla",
                      async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None,
@@ -152,8 +158,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     eng = make_engine(params, cfg, max_model_len=prompt_len + max_tokens + room + 8, **config)
     rng = np.random.default_rng(batch)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
-        eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)], sp)
+    add_random_prompts(eng, rng, batch, prompt_len, sp)
 
     def tokens_back():  # output tokens whose values reached the host, over all requests
         return sum(sum(t != PLACEHOLDER_TOKEN for t in r.output_token_ids) for r in eng.requests.values())
@@ -253,8 +258,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs, phases = [], collections.defaultdict(list)
     for i in range(repeats + 1):  # the first run compiles
-        for _ in range(batch):
-            eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, length)], sp)
+        add_random_prompts(eng, rng, batch, length, sp)
         eng.timings.clear()
         eng.runner.timings.clear()
         t0 = time.perf_counter()
@@ -291,8 +295,7 @@ def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 
     rng = np.random.default_rng(length + 1)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(2):  # the first round compiles
-        for _ in range(steps * batch):
-            eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, length)], sp)
+        add_random_prompts(eng, rng, steps * batch, length, sp)
         launches = eng.num_launches
         t0 = time.perf_counter()
         while eng.has_unfinished:
@@ -466,7 +469,8 @@ def bench_prefill(args) -> dict:
             stream = engine_prefill_stream_ms(params, cfg, batch, length, args.stream_steps, gdn_impl=args.gdn_impl,
                                               attention_impl=args.attention_impl, fold_norms=args.fold_norms == "on")
             row.update(stream_steps=args.stream_steps, stream_ms_per_step=stream,
-                       stream_tokens_per_s=batch * length / stream * 1e3, stream_over_floor=stream / row["flop_floor_ms"])
+                       stream_tokens_per_s=batch * length / stream * 1e3,
+                       stream_over_floor=stream / row["flop_floor_ms"])
         rows.append(row)
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
         peer = _peer(row, "transformers_ms", ms, measure,

@@ -22,7 +22,7 @@ def child_run(args) -> dict:
     """One run in this process: load the model, serve the workload; seconds per phase."""
     t0 = time.perf_counter()
     from ..request import SamplingParams
-    from .model import make_engine, load_model
+    from .model import add_random_prompts, load_model, make_engine
 
     params, cfg = load_model(args.model, include_mtp=args.k > 0)
     eng = make_engine(params, cfg, batch=args.requests, max_model_len=args.prompt_len + args.max_tokens + 8,
@@ -30,8 +30,7 @@ def child_run(args) -> dict:
     t_ready = time.perf_counter()
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for _ in range(args.requests):
-        eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)], sp)
+    add_random_prompts(eng, rng, args.requests, args.prompt_len, sp)
     eng.run_until_done()
     t_done = time.perf_counter()
     return {"load_s": t_ready - t0, "workload_s": t_done - t_ready, "total_s": t_done - t0,

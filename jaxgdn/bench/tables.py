@@ -12,6 +12,11 @@ def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
+def _times(x):
+    """A ratio as "2.05x" ("-" when absent)."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _source(d: dict, path: Path) -> str:
     e = d["env"]
     versions = ", ".join(f"{k} {e[k]}" for k in ("jax", "triton", "torch", "fla", "transformers") if e.get(k))
@@ -75,7 +80,7 @@ def prefill_table(d: dict) -> list[str]:
                   lambda r: [f"{r['batch']}x{r['length']}", f"{r['ms']:.2f}", _fmt(r.get("device_ms"), ".2f"),
                              f"{r['tokens_per_s']:.0f}",
                              f"{r['flop_floor_ms']:.2f}", f"{r['over_floor']:.1f}x",
-                             _fmt(r.get("stream_ms_per_step"), ".2f"), _fmt(r.get("stream_over_floor"), ".2f") + ("x" if "stream_over_floor" in r else ""),
+                             _fmt(r.get("stream_ms_per_step"), ".2f"), _times(r.get("stream_over_floor")),
                              _fmt(r.get("transformers_ms"), ".1f"), _fmt(r.get("speedup_vs_transformers"), ".1f")])
 
 
