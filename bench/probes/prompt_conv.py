@@ -16,6 +16,7 @@ Columns (device ms per call from a profiler trace; max |error| against `concat`)
 """
 
 import json
+import os
 import sys
 
 import jax
@@ -28,6 +29,8 @@ f32 = jnp.float32
 T_LONG, C, N, KC = 8192, 6144, 8224, 4
 # (BT rows, BC channels, warps) of the kernel's tiles
 KERNEL_TILES = ((16, 256, 4), (8, 256, 4), (16, 512, 4), (16, 256, 2), (8, 512, 4), (16, 128, 2), (8, 128, 2))
+if os.environ.get("PROBE_TILES"):  # e.g. "16x256w4 32x128w4": other tiles than r10's
+    KERNEL_TILES = tuple(tuple(int(n) for n in t.replace("w", "x").split("x")) for t in os.environ["PROBE_TILES"].split())
 
 
 def device_ms(f, *args):
