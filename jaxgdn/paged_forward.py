@@ -24,6 +24,7 @@ from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
 from pallas_kernels.paged_attention import paged_attention_pallas, write_kernel_supports, write_kv_pallas
+from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
 
 from .attention import fresh_prompt_attention, gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
@@ -90,6 +91,26 @@ def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: in
             and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
 
 
+def use_prompt_qkv_kernel(p, cfg: ModelConfig, queries: int, impl: str) -> bool:
+    """Whether rows wider than decode rows (prefill) take q/k/v from the fused projection through the one
+    kernel (`pallas_kernels/prompt_qkv.py`: the split, q/k norms and RoPE) on a GPU or with impl "pallas"."""
+    return ((impl == "pallas" or on_gpu()) and queries > DECODE_ATTENTION_MAX_QUERIES and p.fused is not None
+            and prompt_qkv_supports(cfg.head_dim, cfg.rotary_dim))
+
+
+def _project_qkv_gate(p, cfg: ModelConfig, h, view: RowView, impl: str):
+    """`attention.project_qkv_gate` of [R, Q] rows: q [R,Q,Hq,D], k, v [R,Q,Hkv,D], gate [R,Q,Hq*D]."""
+    R, Q, _ = h.shape
+    if not use_prompt_qkv_kernel(p, cfg, Q, impl):
+        return project_qkv_gate(p, cfg, h, view.positions)
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    y = linear(h, p.fused)
+    cos, sin = rope_cos_sin(cfg, view.positions, h.dtype)
+    q, k, v = prompt_qkv(y, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, Hq, Hkv, D)
+    gate = y[..., : 2 * Hq * D].reshape(R, Q, Hq, 2 * D)[..., D:].reshape(R, Q, Hq * D)
+    return q, k, v, gate
+
+
 def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: str = "xla", whole_prompts=False,
                     fused_decode: bool = True):
     """Gated attention for [R, Q] rows: write this step's K/V into the pool (write_kv), attend over each
@@ -109,7 +130,7 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
             view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
             view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
         return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
-    q, k, v, gate = project_qkv_gate(p, cfg, h, view.positions)
+    q, k, v, gate = _project_qkv_gate(p, cfg, h, view, impl)
     P, ps, Hkv, D = kv.k.shape
     k_pool, v_pool = write_kv(kv, view.kv_slots.reshape(-1), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), impl)
     if impl == "pallas" and paged_kernel_supports(D, ps):

@@ -343,3 +343,14 @@ def test_kv_write_kernel_compiled_equals_scatter():
     new = jax.jit(lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v))(k_pool, v_pool, k, v)
     for got, want in zip(new, expect):
         np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], np.asarray(want, np.float32)[1:])
+
+
+@pytest.mark.parametrize("R, Q, dtype", [(1, 2048, "bfloat16"), (2, 300, "bfloat16"), (2, 300, "float32")])
+def test_prompt_qkv_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(R, Q, dtype):
+    """The prefill q/k/v kernel compiled at the 0.8B layer's widths against the compiled XLA chain; 300 cells
+    end on a part tile. test_prompt_qkv.py runs the smaller cases interpreted on CPU."""
+    import jax.numpy as jnp
+
+    from test_prompt_qkv import test_kernel_matches_the_xla_chain
+
+    test_kernel_matches_the_xla_chain("real", R, Q, jnp.dtype(dtype).type)

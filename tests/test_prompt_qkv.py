@@ -1,0 +1,70 @@
+"""The prefill attention layer's q/k/v kernel (`pallas_kernels/prompt_qkv.py`, interpret mode on CPU, compiled
+under -m gpu in test_gpu.py) against `attention.project_qkv_gate`, the XLA chain it replaces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import real_width_config, small_config
+from jaxgdn.attention import project_qkv_gate
+from jaxgdn.paged_forward import _project_qkv_gate, use_prompt_qkv_kernel
+from jaxgdn.params import init_random_params, serving_layout
+from pallas_kernels.common import on_gpu
+from pallas_kernels.prompt_qkv import _pieces, prompt_qkv_supports
+
+
+def qkv_case(cfg, R, Q, dtype, seed=0):
+    """An attention layer in the serving layout (fused q/k/v weights), its input [R, Q, H] and positions
+    starting where each row's earlier tokens end."""
+    params = serving_layout(init_random_params(cfg, seed=seed, dtype=dtype), True)
+    p = params.layers[cfg.layer_types.index("full_attention")].mixer
+    r = np.random.default_rng(seed)
+    h = jnp.asarray(r.standard_normal((R, Q, cfg.hidden_size)), dtype)
+    starts = np.arange(R) * 37
+    positions = jnp.asarray(starts[:, None] + np.arange(Q)[None, :], jnp.int32)
+    return p, h, positions
+
+
+class _View:
+    def __init__(self, positions):
+        self.positions = positions
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("config,R,Q", [("small", 3, 40), ("real", 1, 24)])
+def test_kernel_matches_the_xla_chain(config, R, Q, dtype):
+    """Rows of 40 cells (a last tile of 8 of the kernel's 32) and rows at the 0.8B head widths (256 dims,
+    64 rotated, 8 query and 2 KV heads): q, k, v and the gate as the XLA chain makes them, rounded alike."""
+    cfg = small_config() if config == "small" else real_width_config()
+    p, h, positions = qkv_case(cfg, R, Q, dtype)
+    assert use_prompt_qkv_kernel(p, cfg, Q, "pallas") and use_prompt_qkv_kernel(p, cfg, Q, "xla") == on_gpu()
+    got = jax.jit(lambda h: _project_qkv_gate(p, cfg, h, _View(positions), "pallas"))(h)
+    want = jax.jit(lambda h: project_qkv_gate(p, cfg, h, positions))(h)
+    # bf16: the kernel rounds where the chain does, but XLA may keep a product in fp32 (excess precision)
+    atol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, g, w in zip("qkvg", got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=atol, rtol=atol,
+                                   err_msg=name)
+    if dtype == jnp.bfloat16 and not on_gpu():  # nearly every element equal, not just close (XLA on a GPU
+        # may skip the chain's bf16 roundings inside a fusion)
+        q_got, q_want = (np.asarray(x, np.float32) for x in (got[0], want[0]))
+        assert np.mean(q_got == q_want) > 0.98
+
+
+def test_head_pieces_cover_the_head_in_power_of_two_tiles():
+    assert _pieces(256, 64) == ((0, 32), (32, 32), (64, 128), (192, 64))
+    assert _pieces(32, 8) == ((0, 4), (4, 4), (8, 16), (24, 8))
+    for D, rot in ((256, 64), (128, 128), (96, 32)):
+        pieces = _pieces(D, rot)
+        assert sum(w for _, w in pieces) == D and all(w & (w - 1) == 0 for _, w in pieces)
+        assert [s for s, _ in pieces] == list(np.cumsum([0] + [w for _, w in pieces])[:-1])
+    assert prompt_qkv_supports(256, 64) and not prompt_qkv_supports(256, 0) and not prompt_qkv_supports(64, 12)
+
+
+def test_decode_rows_keep_the_xla_chain():
+    """Rows of at most 8 cells are decode or verify rows (their own kernel, or the XLA chain): not this one."""
+    cfg = small_config()
+    p, _, _ = qkv_case(cfg, 1, 8, jnp.float32)
+    assert not use_prompt_qkv_kernel(p, cfg, 8, "pallas") and use_prompt_qkv_kernel(p, cfg, 9, "pallas")
