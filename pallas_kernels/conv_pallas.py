@@ -121,28 +121,51 @@ def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, veri
 # ----------------------------------------------------------------------------- whole prompts (prefill)
 
 
-def _prompt_conv_kernel(x_ref, w_ref, *o_refs, T, Kc, BT, BC, bounds):
-    """One (row, tile of BT outputs, channel block): outputs t0+Kc-1 .. t0+Kc-2+BT, tap j reading input
-    rows t0+j ..: every load starts at a row >= 0 (the first Kc-1 outputs, which read the window, are the
-    caller's). The channel block lies inside one of the outputs (q, k, v): the others' stores are masked."""
+def _prompt_conv_kernel(x_ref, w_ref, win_ref, *o_refs, T, Kc, BT, BC, bounds):
+    """One (row, tile of BT outputs, channel block): outputs t0 .. t0+BT-1, tap j reading input rows
+    t0+j-(Kc-1) ..; the first tile's rows before 0 come from the window (its own code path, so the other
+    tiles load nothing extra). The channel block lies inside one of the outputs (q, k, v): the others'
+    stores are masked."""
     from jax.experimental.pallas import triton as plt  # masked loads and stores (also in interpret mode)
 
     b, it, ic = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0, c0 = it * BT, ic * BC
     cols = pl.ds(c0, BC)
-    acc = jnp.zeros((BT, BC), f32)
-    for j in range(Kc):
-        in_rows = t0 + j + jnp.arange(BT)
-        mask = jnp.broadcast_to((in_rows < T)[:, None], (BT, BC))
-        xj = plt.load(x_ref.at[b, pl.ds(t0 + j, BT), cols], mask=mask, other=0)
-        acc += xj.astype(f32) * w_ref[j, cols].astype(f32)[None, :]
-    out = acc * jax.nn.sigmoid(acc)
-    out_rows = t0 + Kc - 1 + jnp.arange(BT)
-    row_ok = (out_rows < T)[:, None]
-    for o_ref, (lo, hi) in zip(o_refs, bounds):
-        start = jnp.clip(c0 - lo, 0, hi - lo - BC)  # in range even where masked off
-        plt.store(o_ref.at[b, pl.ds(t0 + Kc - 1, BT), pl.ds(start, BC)], out.astype(o_ref.dtype),
-                  mask=jnp.broadcast_to(row_ok & ((c0 >= lo) & (c0 < hi)), (BT, BC)))
+    out_rows = t0 + jnp.arange(BT)
+
+    def conv(first: bool):
+        acc = jnp.zeros((BT, BC), f32)
+        for j in range(Kc):
+            back = Kc - 1 - j  # tap j of output t reads input t - back
+            if first:  # tile 0: t < back reads the window's row Kc-1+t-back (gathered loads, this tile only)
+                ch = (c0 + jnp.arange(BC))[None, :]
+                xj = x_ref[b, jnp.clip(out_rows - back, 0, T - 1)[:, None], ch].astype(f32)
+                wj = win_ref[b, jnp.clip(Kc - 1 + out_rows - back, 0, Kc - 2)[:, None], ch]
+                xj = jnp.where((out_rows < back)[:, None], wj.astype(x_ref.dtype).astype(f32), xj)
+            else:  # rows t0-back.. all >= 0 (BT >= Kc-1)
+                mask = jnp.broadcast_to((out_rows - back < T)[:, None], (BT, BC))
+                xj = plt.load(x_ref.at[b, pl.ds(t0 - back, BT), cols], mask=mask, other=0).astype(f32)
+            acc += xj * w_ref[j, cols].astype(f32)[None, :]
+        return acc * jax.nn.sigmoid(acc)
+
+    def store(out):
+        row_ok = (out_rows < T)[:, None]
+        for o_ref, (lo, hi) in zip(o_refs, bounds):
+            start = jnp.clip(c0 - lo, 0, hi - lo - BC)  # in range even where masked off
+            plt.store(o_ref.at[b, pl.ds(t0, BT), pl.ds(start, BC)], out.astype(o_ref.dtype),
+                      mask=jnp.broadcast_to(row_ok & ((c0 >= lo) & (c0 < hi)), (BT, BC)))
+
+    if Kc == 1:  # no window
+        store(conv(False))
+        return
+
+    @pl.when(it == 0)
+    def _first_tile():
+        store(conv(True))
+
+    @pl.when(it > 0)
+    def _other_tiles():
+        store(conv(False))
 
 
 def prompt_conv_supports(widths, T: int, Kc: int) -> bool:
@@ -164,18 +187,13 @@ def causal_conv_prompt(x, widths, weight, window, interpret=None, block_t: int =
     B, T, _ = x.shape
     Kc = weight.shape[-1]
     C = sum(widths)
-    assert prompt_conv_supports(widths, T, Kc), (widths, T, Kc)
+    assert prompt_conv_supports(widths, T, Kc) and block_t >= Kc - 1, (widths, T, Kc, block_t)
     BC = block_c or min(MAX_CHANNEL_BLOCK, *(_channel_block(w) for w in widths))
     bounds = tuple((lo, lo + w) for lo, w in zip(itertools.accumulate((0, *widths[:-1])), widths))
     w_taps = weight[:, 0, :].T  # [Kc, C]: one contiguous row per tap
     kernel = functools.partial(_prompt_conv_kernel, T=T, Kc=Kc, BT=block_t, BC=BC, bounds=bounds)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel, out_shape=tuple(jax.ShapeDtypeStruct((B, T, w), x.dtype) for w in widths),
-        grid=(B, pl.cdiv(T - (Kc - 1), block_t), C // BC), interpret=interpret_default(interpret),
+        grid=(B, pl.cdiv(T, block_t), C // BC), interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps),
-    )(x, w_taps)
-    # The first Kc-1 outputs read the window: full = [window ‖ x[:, :Kc-1]], a few rows for XLA.
-    full = jnp.concatenate([window.astype(x.dtype), x[:, : Kc - 1, :C]], axis=1).astype(f32)
-    head = sum(full[:, j : j + Kc - 1] * w_taps[j].astype(f32) for j in range(Kc))
-    head = (head * jax.nn.sigmoid(head)).astype(x.dtype)
-    return tuple(o.at[:, : Kc - 1].set(head[..., lo:hi]) for o, (lo, hi) in zip(outs, bounds))
+    )(x, w_taps, window)

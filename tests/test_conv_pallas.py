@@ -90,7 +90,7 @@ def test_conv_kernel_supports_channel_tiles_only():
 @pytest.mark.parametrize("T, block_t, dtype", [(4, 16, jnp.float32), (37, 16, jnp.float32), (64, 32, jnp.bfloat16)])
 def test_prompt_conv_kernel_equals_the_xla_conv_split_into_q_k_v(T, block_t, dtype):
     """causal_conv_prompt against causal_conv_silu over a nonzero window, its outputs the channel ranges of
-    q, k, v; T = 4 leaves the kernel one output row (the rest read the window), 37 a partial last tile.
+    q, k, v; T = 4 reads the window in every output (the first tile's path), 37 a partial last tile.
     The input carries extra channels past C (the fused projection's z, b, a), which must not be read."""
     r = np.random.default_rng(T)
     B, Kc, widths = 2, 4, (32, 32, 48)
