@@ -118,6 +118,7 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
     kernel (`pallas_kernels/paged_attention.py`, pages read in place) where head_dim and page size allow.
     With fused_decode, short rows run everything between the two products as one kernel
     (`use_decode_attention_kernel`).
+    Wider rows take q/k/v from the fused projection through one kernel on a GPU (`use_prompt_qkv_kernel`).
     whole_prompts (static; the host sets it, see `StepArrays.whole_prompts`): every row starts at
     position 0 (seq_lens == num_valid), and impl "xla" reads the step's own K/V instead of the pages
     (`fresh_prompt_attention`: cuDNN's flash attention on a GPU)."""

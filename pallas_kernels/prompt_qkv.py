@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .common import interpret_default, triton_params
+from .decode_attention import _round  # x rounded to the activation dtype, back in fp32
 
 f32 = jnp.float32
 
@@ -51,10 +52,6 @@ def _pieces(D: int, rot: int) -> tuple[tuple[int, int], ...]:
         pieces.append((start, width))
         start += width
     return tuple(pieces)
-
-
-def _round(x, dtype):
-    return x.astype(dtype).astype(f32)
 
 
 def _kernel(y_ref, qn_ref, kn_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, Hq, Hkv, D, rot, eps, BT, T):
