@@ -98,14 +98,15 @@ def use_prompt_qkv_kernel(p, cfg: ModelConfig, queries: int, impl: str) -> bool:
             and prompt_qkv_supports(cfg.head_dim, cfg.rotary_dim))
 
 
-def _project_qkv_gate(p, cfg: ModelConfig, h, view: RowView, impl: str):
-    """`attention.project_qkv_gate` of [R, Q] rows: q [R,Q,Hq,D], k, v [R,Q,Hkv,D], gate [R,Q,Hq*D]."""
+def project_qkv_gate_paged(p, cfg: ModelConfig, h, positions, impl: str):
+    """`attention.project_qkv_gate` of [R, Q] rows (h [R, Q, H], positions [R, Q]), through the one kernel
+    where `use_prompt_qkv_kernel`: q [R,Q,Hq,D], k, v [R,Q,Hkv,D], gate [R,Q,Hq*D]."""
     R, Q, _ = h.shape
     if not use_prompt_qkv_kernel(p, cfg, Q, impl):
-        return project_qkv_gate(p, cfg, h, view.positions)
+        return project_qkv_gate(p, cfg, h, positions)
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     y = linear(h, p.fused)
-    cos, sin = rope_cos_sin(cfg, view.positions, h.dtype)
+    cos, sin = rope_cos_sin(cfg, positions, h.dtype)
     q, k, v = prompt_qkv(y, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, Hq, Hkv, D)
     gate = y[..., : 2 * Hq * D].reshape(R, Q, Hq, 2 * D)[..., D:].reshape(R, Q, Hq * D)
     return q, k, v, gate
@@ -131,7 +132,7 @@ def paged_attention(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, impl: st
             view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
             view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
         return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
-    q, k, v, gate = _project_qkv_gate(p, cfg, h, view, impl)
+    q, k, v, gate = project_qkv_gate_paged(p, cfg, h, view.positions, impl)
     P, ps, Hkv, D = kv.k.shape
     k_pool, v_pool = write_kv(kv, view.kv_slots.reshape(-1), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), impl)
     if impl == "pallas" and paged_kernel_supports(D, ps):

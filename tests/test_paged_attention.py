@@ -84,10 +84,12 @@ def test_pallas_kernel_lowers_to_triton_without_a_gpu():
     assert "triton" in text.lower()
 
 
-def test_engine_with_paged_kernel_equals_plain_greedy():
+def test_engine_with_paged_kernel_equals_plain_greedy(monkeypatch):
     """PD + MTP K=2 with attention_impl="pallas" (interpret mode): trunk and MTP attention read pages in
-    place; every request equals one-request greedy decoding."""
+    place, the prompts' q/k/v come out of the prefill kernel (`prompt_qkv`); every request equals
+    one-request greedy decoding."""
     from helpers import naive_greedy, small_config
+    from jaxgdn import paged_forward
     from jaxgdn.engine_config import EngineConfig
     from jaxgdn.params import init_random_params
     from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
@@ -99,12 +101,16 @@ def test_engine_with_paged_kernel_equals_plain_greedy():
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (1, 3, 17, 40)]
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, kv_page_size=16,
                         dtype="float32", num_speculative_tokens=2, pd=True, attention_impl="pallas")
+    traced = []  # prompt_qkv calls while the steps trace
+    prompt_qkv = paged_forward.prompt_qkv
+    monkeypatch.setattr(paged_forward, "prompt_qkv", lambda *a, **k: traced.append(a[0].shape) or prompt_qkv(*a, **k))
     P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
     D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # NaN-free garbage in the pools: must not leak in
     sp = SamplingParams(temperature=0, max_tokens=5)
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):
         assert D.output(r).token_ids == naive_greedy(params, cfg, p, 5)
+    assert traced and all(shape[1] > paged_forward.DECODE_ATTENTION_MAX_QUERIES for shape in traced)
 
 
 def kv_write_case(seed=0, P=9, ps=4, Hkv=2, D=16, N=7, dtype=jnp.float32):

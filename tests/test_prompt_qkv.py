@@ -8,7 +8,7 @@ import pytest
 
 from helpers import real_width_config, small_config
 from jaxgdn.attention import project_qkv_gate
-from jaxgdn.paged_forward import _project_qkv_gate, use_prompt_qkv_kernel
+from jaxgdn.paged_forward import project_qkv_gate_paged, use_prompt_qkv_kernel
 from jaxgdn.params import init_random_params, serving_layout
 from pallas_kernels.common import on_gpu
 from pallas_kernels.prompt_qkv import _pieces, prompt_qkv_supports
@@ -26,11 +26,6 @@ def qkv_case(cfg, R, Q, dtype, seed=0):
     return p, h, positions
 
 
-class _View:
-    def __init__(self, positions):
-        self.positions = positions
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("config,R,Q", [("small", 3, 40), ("real", 1, 24)])
 def test_kernel_matches_the_xla_chain(config, R, Q, dtype):
@@ -39,7 +34,7 @@ def test_kernel_matches_the_xla_chain(config, R, Q, dtype):
     cfg = small_config() if config == "small" else real_width_config()
     p, h, positions = qkv_case(cfg, R, Q, dtype)
     assert use_prompt_qkv_kernel(p, cfg, Q, "pallas") and use_prompt_qkv_kernel(p, cfg, Q, "xla") == on_gpu()
-    got = jax.jit(lambda h: _project_qkv_gate(p, cfg, h, _View(positions), "pallas"))(h)
+    got = jax.jit(lambda h: project_qkv_gate_paged(p, cfg, h, positions, "pallas"))(h)
     want = jax.jit(lambda h: project_qkv_gate(p, cfg, h, positions))(h)
     # bf16: the kernel rounds where the chain does, but XLA may keep a product in fp32 (excess precision)
     atol = 1e-5 if dtype == jnp.float32 else 2e-2
