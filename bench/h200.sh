@@ -3,8 +3,8 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch ...]
-#   (default: all but the twenty-two extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe ...]
+#   (default: all but the twenty-three extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -123,6 +123,9 @@ for step in $steps; do
                PROBE_CONTEXT=$context timeout 200 python3 bench/probes/decode_attention.py \
                  "$dest/decode-attention-probe-$context""_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning
              done ;;
+    # r30: whole-prompt causal attention at the 0.8B heads: cuDNN against JAX's Mosaic GPU flash attention
+    prefill-attention-probe) timeout 300 python3 bench/probes/prefill_attention.py \
+               "$dest/prefill-attention-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r22: the one-kernel GDN mixer alone at the 0.8B widths against the unfused chain, 4/8/16 warps
     mixer-probe) timeout 300 python3 bench/probes/gdn_mixer.py "$dest/gdn-mixer-probe_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep (gdn_prep.py), the gated norm fused into the output kernel

@@ -8,7 +8,13 @@ ms per call from a profiler trace, max |error| against the fp32 reference):
   xla_gathered  `gqa_attention` over the row's own keys with the validity mask: what `paged_attention`'s
                 XLA path computes once the pages are gathered (it gathers MP*page_size >= Q keys);
   cudnn         `jax.nn.dot_product_attention(implementation="cudnn")`, causal with per-row lengths;
-  pallas_mha    JAX's bundled Pallas (Triton) flash attention, K/V repeated to the query heads.
+  pallas_mha    JAX's bundled Pallas (Triton) flash attention, K/V repeated to the query heads;
+  mgpu[_nosb]   JAX's bundled Mosaic GPU flash attention for Hopper (`attention_mgpu`: TMA, wgmma, two
+                compute warpgroups; GQA and causal masking built in, no lengths, so rows are whole; q
+                pre-scaled by D^-0.5, which the engine would fold into its q kernel), with and without its
+                schedule barrier. At head_dim 256 its shared memory allows 64x64 tiles 2 stages deep only.
+                Added at r30 for the next round: cuDNN's kernel takes 3.15 of the 26 ms 1x8192 step at ~520
+                TFLOP/s (bench/results/prefill-dump-r30_gpu_20261203.json).
 """
 
 import json
@@ -47,7 +53,15 @@ def implementations(lengths):
         return attention.mha(q, rep(k), rep(v), None, sm_scale=D**-0.5, causal=True, block_sizes=sizes,
                              num_warps=8, num_stages=2)
 
-    return {"xla_gathered": xla_gathered, "cudnn": cudnn, "pallas_mha": pallas_mha}
+    def mgpu(q, k, v, schedule_barrier=True):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True,
+                                             use_schedule_barrier=schedule_barrier)
+        return attention_mgpu.attention((q * D**-0.5).astype(q.dtype), k, v, config)
+
+    return {"xla_gathered": xla_gathered, "cudnn": cudnn, "pallas_mha": pallas_mha, "mgpu": mgpu,
+            "mgpu_nosb": lambda q, k, v: mgpu(q, k, v, schedule_barrier=False)}
 
 
 def main(out_path=None):
