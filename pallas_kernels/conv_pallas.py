@@ -135,10 +135,10 @@ def _prompt_conv_kernel(x_ref, w_ref, win_ref, *o_refs, T, Kc, BT, BC, bounds):
 
     def conv(first: bool):
         acc = jnp.zeros((BT, BC), f32)
+        ch = (c0 + jnp.arange(BC))[None, :] if first else None  # channel index array for the gathers
         for j in range(Kc):
             back = Kc - 1 - j  # tap j of output t reads input t - back
             if first:  # tile 0: t < back reads the window's row Kc-1+t-back (gathered loads, this tile only)
-                ch = (c0 + jnp.arange(BC))[None, :]
                 xj = x_ref[b, jnp.clip(out_rows - back, 0, T - 1)[:, None], ch].astype(f32)
                 wj = win_ref[b, jnp.clip(Kc - 1 + out_rows - back, 0, Kc - 2)[:, None], ch]
                 xj = jnp.where((out_rows < back)[:, None], wj.astype(x_ref.dtype).astype(f32), xj)
