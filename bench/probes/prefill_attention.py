@@ -13,6 +13,7 @@ ms per call from a profiler trace, max |error| against the fp32 reference):
                 compute warpgroups; GQA and causal masking built in, no lengths, so rows are whole; q
                 pre-scaled by D^-0.5, which the engine would fold into its q kernel), with and without its
                 schedule barrier. At head_dim 256 its shared memory allows 64x64 tiles 2 stages deep only.
+  *_f16         the same on fp16 operands (r31: attention_mgpu refused bf16 here).
                 Added at r30 for the next round: cuDNN's kernel takes 3.15 of the 26 ms 1x8192 step at ~520
                 TFLOP/s (bench/results/prefill-dump-r30_gpu_20261203.json).
 """
@@ -61,7 +62,10 @@ def implementations(lengths):
         return attention_mgpu.attention((q * D**-0.5).astype(q.dtype), k, v, config)
 
     return {"xla_gathered": xla_gathered, "cudnn": cudnn, "pallas_mha": pallas_mha, "mgpu": mgpu,
-            "mgpu_nosb": lambda q, k, v: mgpu(q, k, v, schedule_barrier=False)}
+            "mgpu_nosb": lambda q, k, v: mgpu(q, k, v, schedule_barrier=False),
+            # fp16 operands (cast before the call, outside the timing): JAX 0.11.2's attention_mgpu refuses bf16
+            # at these shapes (r31: "src had type bfloat16 and dst had type float16")
+            "cudnn_f16": cudnn, "mgpu_f16": mgpu, "mgpu_nosb_f16": lambda q, k, v: mgpu(q, k, v, schedule_barrier=False)}
 
 
 def main(out_path=None):
@@ -81,12 +85,13 @@ def main(out_path=None):
         for name, f in impls.items():
             if not on_gpu and name != "xla_gathered":
                 continue
+            args = [x.astype(jnp.float16) for x in (q, k, v)] if name.endswith("_f16") else (q, k, v)
             try:
-                got = jax.jit(f)(q, k, v)
+                got = jax.jit(f)(*args)
                 err = float(jnp.max(jnp.where(keep, jnp.abs(got.astype(jnp.float32) - ref), 0)))
                 row[name] = {"error": round(err, 4)}
                 if on_gpu:
-                    row[name]["ms"], row[name]["top"] = device_ms(jax.jit(f), q, k, v)
+                    row[name]["ms"], row[name]["top"] = device_ms(jax.jit(f), *args)
             except Exception as e:  # noqa: BLE001 - a form that does not lower is a result too
                 row[name] = {"failed": repr(e)[:300]}
             print(R, Q, name, {a: b for a, b in row[name].items() if a != "top"}, flush=True)
