@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
 from pallas_kernels.gdn import (gated_delta_rule, gated_delta_rule_checkpoints, runs_chunked_pallas,
                                 use_prompt_conv_kernel)
-from pallas_kernels.gdn_pallas import OutputGate
+from pallas_kernels.gdn_pallas import GateSource, OutputGate
 
 from .config import ModelConfig
 from .mlp import linear, project, split_outputs
@@ -114,6 +114,7 @@ class GDNInputs(NamedTuple):
     mixed: jax.Array  # [B, T, C] the pre-conv inputs
     z_source: jax.Array  # [B, T, >=C'] an array holding z in place: the fused projection's product or z
     z_offset: int  # z's first column in z_source (value head h at z_offset + h * dv)
+    gates: GateSource | None  # b and a in place in the fused product, for the chunked kernel (else None)
 
 
 def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto") -> GDNInputs:
@@ -124,6 +125,9 @@ def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = 
     source, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
     B, T, _ = x.shape
     z_source, z_offset = (source, cfg.conv_dim) if p.fused is not None else (z.reshape(B, T, -1), 0)
+    # the fused product's columns: q‖k‖v, z, b, a (gdn_projections' sizes)
+    gates = (GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, num_valid)
+             if p.fused is not None else None)
     widths = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
     if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, cfg.linear_conv_kernel_dim):
         q, k, v = causal_conv_prompt(source, widths, p.conv1d, conv_window)
@@ -131,9 +135,9 @@ def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = 
         q, k = heads(q, cfg.linear_num_key_heads), heads(k, cfg.linear_num_key_heads)
         v = heads(v, cfg.linear_num_value_heads)
         conv = conv_window_after(conv_window, mixed, num_valid)
-        return GDNInputs(q, k, v, g, beta, z, conv, mixed, z_source, z_offset)
+        return GDNInputs(q, k, v, g, beta, z, conv, mixed, z_source, z_offset, gates)
     u, conv = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
-    return GDNInputs(*split_qkv(cfg, u), g, beta, z, conv, mixed, z_source, z_offset)
+    return GDNInputs(*split_qkv(cfg, u), g, beta, z, conv, mixed, z_source, z_offset, gates)
 
 
 def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False):
@@ -171,7 +175,10 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
         # (bench/results/gdn-output-norm-probe_gpu_20261201.json).
         fused_norm = runs_chunked_pallas(impl, T)
         gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
-        o, ssm = gated_delta_rule(q, k, v, g, beta, state.ssm, impl=impl, gate=gate)
+        # There, with fused weights, its prep kernel also computes g and beta from the product in place.
+        gates = inp.gates if fused_norm else None
+        kernel_gates = (g, beta) if gates is None else (None, None)
+        o, ssm = gated_delta_rule(q, k, v, *kernel_gates, state.ssm, impl=impl, gate=gate, gates=gates)
         if spec_window:
             head = lambda a: a[:, :W]  # noqa: E731
             _, _, states = gated_delta_rule_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm,

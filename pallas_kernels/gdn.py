@@ -181,17 +181,18 @@ def available_gdn_impls() -> tuple[str, ...]:
     return tuple(_IMPLS)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None, gates=None):
     """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
     "pallas_recurrent", "pallas_pool" or a registered kernel).
 
     gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
-    in its output kernel; o is then the normed output in z's dtype. Only where `runs_chunked_pallas`."""
-    if gate is not None:
+    in its output kernel; o is then the normed output in z's dtype. gates: a `gdn_pallas.GateSource` for
+    its prep kernel to compute g and beta from (pass g = beta = None). Only where `runs_chunked_pallas`."""
+    if gate is not None or gates is not None:
         if not runs_chunked_pallas(impl, q.shape[1]):
-            raise ValueError(f"gate= needs the chunked Pallas kernel; impl {impl!r} does not run it at "
+            raise ValueError(f"gate= and gates= need the chunked Pallas kernel; impl {impl!r} does not run it at "
                              f"T={q.shape[1]}")
-        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate)
+        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate, gates=gates)
     try:
         fn = _IMPLS[impl]
     except KeyError:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from .common import call_on_product, product_rows
 from .conv_pallas import conv_silu_rows, store_windows
-from .gdn_pallas import _delta_step, gated_norm, pooled_kernel_supports
+from .gdn_pallas import _delta_step, gate_values, gated_norm, pooled_kernel_supports
 
 f32 = jnp.float32
 
@@ -44,12 +44,6 @@ def mixer_kernel_supports(dk: int, dv: int) -> bool:
     """Head dims must be Triton tiles (the pools are read in place) and a whole [dk, dv] fp32 state tile
     must fit one program's registers."""
     return pooled_kernel_supports(dk, dv) and dk * dv <= 128 * 128
-
-
-def _softplus(x):
-    """jax.nn.softplus's form, log(1 + e^x) = max(x, 0) + log1p(e^-|x|): jax.nn.softplus itself is a
-    custom_jvp, which the Triton lowering rejects."""
-    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
 def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, eps, scaled):
@@ -80,12 +74,10 @@ def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, eps, scaled):
     for j in range(group):  # value heads hk*group + j, one whole state tile at a time
         h = hk * group + j
         vs = conv(2 * Kd + h * dv, dv)
-        decay_rate = -jnp.exp(alog_ref[h].astype(f32))
-        dt_bias = dtb_ref[h].astype(f32)
         S = jnp.where(fresh, 0.0, ssm_ref[slot, start, h, :, :])
         for t in range(T):
-            beta = jax.nn.sigmoid(product(t, C + Hv * dv + h).astype(f32)).astype(dtype).astype(f32)
-            g = decay_rate * _softplus(product(t, C + Hv * dv + Hv + h).astype(f32) + dt_bias)
+            g, beta = gate_values(product(t, C + Hv * dv + h), product(t, C + Hv * dv + Hv + h), alog_ref[h],
+                                  dtb_ref[h], dtype)
             real = t < n  # padded steps neither decay nor write
             S, o = _delta_step(qs[t], ks[t], vs[t], jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0),
                                dk**-0.5, S)

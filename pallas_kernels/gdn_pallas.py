@@ -56,6 +56,21 @@ def _dot(a, b, dtype, tf32: bool = False):
     return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=f32, precision=precision)
 
 
+def _softplus(x):
+    """jax.nn.softplus's form, log(1 + e^x) = max(x, 0) + log1p(e^-|x|): jax.nn.softplus itself is a
+    custom_jvp, which the Triton lowering rejects."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def gate_values(b, a, A_log, dt_bias, dtype):
+    """`jaxgdn.gdn.gdn_gates` inside a kernel: b, a the projection's raw values (any shape), A_log and dt_bias
+    one head's scalars, dtype the projection's. Returns (g log decay, beta), fp32; beta = sigmoid(b) rounded
+    to dtype as the layer computes it there."""
+    beta = jax.nn.sigmoid(b.astype(f32)).astype(dtype).astype(f32)
+    g = -jnp.exp(A_log.astype(f32)) * _softplus(a.astype(f32) + dt_bias.astype(f32))
+    return g, beta
+
+
 def _pad_heads(q, k, v, initial_state):
     """Zero state when None, fp32; then zero-pad dk, dv to powers of two >= 16. Zero key/query columns
     leave the norms and the state's real rows unchanged; zero value columns stay zero in the state and
@@ -272,7 +287,7 @@ def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
     return inv
 
 
-def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group, dtype):
+def _prep_kernel(k_ref, v_ref, *refs, group, dtype, gates):
     """One (row, value head, chunk): γ, the blocked (I+A)⁻¹ (`_chunk_inverse`), U_i = Σ_j (T_ij β_j) V_j,
     W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j and the per-token key scale n e^{γ_last-γ} for the scan.
 
@@ -285,13 +300,19 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_re
     hk = h // group
     nsub = CHUNK // SUB
     rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
+    if gates is None:  # g, beta [B, Tp, Hv] fp32
+        g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref = refs
+        gate_rows = [(g_ref[b, r, h], beta_ref[b, r, h]) for r in rows]
+    else:  # from the projection in place (`GateSource`): T its rows, b_offset its b columns, Hv heads
+        src_ref, alog_ref, dtb_ref, nvalid_ref, w_ref, u_ref, kscale_ref, gam_ref = refs
+        gate_rows = [_source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, c * CHUNK + i * SUB, *gates)
+                     for i in range(nsub)]
     ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
     inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
-    betas = [beta_ref[b, r, h] for r in rows]
+    betas = [beta for _, beta in gate_rows]
     gam = []
     last = jnp.zeros((), f32)  # γ_last once all rows are in
-    for r in rows:
-        g = g_ref[b, r, h]
+    for r, (g, _) in zip(rows, gate_rows):
         gam.append(jnp.cumsum(g) + last)
         last = last + jnp.sum(g)
         gam_ref[b, r, h] = gam[-1]
@@ -303,6 +324,20 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_re
         u_ref[b, rows[i], h, :] = u.astype(u_ref.dtype)
         w_ref[b, rows[i], h, :] = w.astype(w_ref.dtype)
         kscale_ref[b, rows[i], h] = inv_norm[i] * jnp.exp(last - gam[i])
+
+
+def _source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, t0, T: int, b_offset: int, Hv: int):
+    """g, beta [SUB] fp32 of value head h at tokens t0 .. t0+SUB-1 from the projection src [B, T, N] (b at
+    column b_offset + h, a at b_offset + Hv + h): tokens at or past the row's num_valid get 0 and 0."""
+    from jax.experimental.pallas import triton as plt  # masked loads (also in interpret mode)
+
+    t = t0 + lax.iota(jnp.int32, SUB)
+    rows, inside = pl.ds(t0, SUB), t < T  # the last chunk may reach past the row
+    b_raw = plt.load(src_ref.at[b, rows, b_offset + h], mask=inside, other=0)
+    a_raw = plt.load(src_ref.at[b, rows, b_offset + Hv + h], mask=inside, other=0)
+    g, beta = gate_values(b_raw, a_raw, alog_ref[h], dtb_ref[h], src_ref.dtype)
+    real = t < nvalid_ref[b]  # padded steps neither decay nor write
+    return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
 
 
 def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype):
@@ -377,14 +412,32 @@ class OutputGate(NamedTuple):
     z_offset: int = 0
 
 
+class GateSource(NamedTuple):
+    """The GDN gates for the prep kernel to compute from the input projection in place, as
+    `jaxgdn.gdn.gdn_gates` and the padding mask do in XLA: two small kernels a layer there (4.2 us at 8192
+    tokens, plus their launch gaps), ~3.9 us more in the prep kernel (bench/results/prefill-r31-new_gpu_20261203.json).
+
+    source [B, T, N]: value head h's b at column b_offset + h and its a at b_offset + Hv + h (the fused
+    projection's whole product); A_log, dt_bias [Hv]; num_valid [B] real tokens per row (steps past it
+    get g = beta = 0) or None (all T)."""
+
+    source: jax.Array
+    b_offset: int
+    A_log: jax.Array
+    dt_bias: jax.Array
+    num_valid: jax.Array | None = None
+
+
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, out_dtype=None):
+                       scan_stages: int | None = None, out_dtype=None, gates: GateSource | None = None):
     """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
 
     out_dtype: o's dtype without gate= (default fp32; fla's `chunk_gated_delta_rule` returns it in the
     inputs' dtype, which `bench kernels` asks for to compare the same work: the fp32 store is twice the
     bytes). With gate= the output is in z's dtype, as the layer's norm computes it.
+
+    gates = `GateSource(...)` with g = beta = None: the prep kernel computes g and beta from the projection.
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
     layer's gated RMS norm (on whole heads) and returns it in z.dtype instead of o:
@@ -402,10 +455,19 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     q, k, v, s0 = _pad_heads(q, k, v, initial_state)
     dkp, dvp = q.shape[-1], v.shape[-1]
     pad = (-T) % CHUNK
-    g, beta = g.astype(f32), beta.astype(f32)
+    if gates is None:
+        gate_args, gate_info = (g.astype(f32), beta.astype(f32)), None
+    else:  # padded steps get g = beta = 0 in the kernel
+        if g is not None or beta is not None:
+            raise ValueError("gates= computes g and beta in the kernel: pass g = beta = None")
+        n = jnp.full((B,), T, jnp.int32) if gates.num_valid is None else jnp.minimum(gates.num_valid, T)
+        gate_args = (gates.source, gates.A_log, gates.dt_bias, n.astype(jnp.int32))
+        gate_info = (T, gates.b_offset, Hv)
     if pad:  # padded steps: zero k, v, beta and g neither decay nor write the state
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        q, k, v, g, beta = (padt(x) for x in (q, k, v, g, beta))
+        q, k, v = (padt(x) for x in (q, k, v))
+        if gates is None:
+            gate_args = tuple(padt(x) for x in gate_args)
     Tp, N = T + pad, (T + pad) // CHUNK
     # Intermediates are stored in the matmul operand dtype: the later kernels cast them to it anyway.
     dtype = jnp.promote_types(v.dtype, q.dtype)
@@ -413,11 +475,11 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
     w, u, kscale, gam = pl.pallas_call(
-        functools.partial(_prep_kernel, group=group, dtype=dtype),
+        functools.partial(_prep_kernel, group=group, dtype=dtype, gates=gate_info),
         out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv), f32),
                    sds((B, Tp, Hv), f32)),
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
-    )(k, v, g, beta)
+    )(k, v, *gate_args)
     BV = block_v or _value_block(dvp, B * Hv)
     if scan_stages is None:
         # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens

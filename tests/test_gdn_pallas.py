@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
-from pallas_kernels.gdn_pallas import OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
+from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
 from test_gdn_core import random_inputs
 
 
@@ -89,6 +89,48 @@ def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
     assert max_err(got, want) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_kernel_computes_the_gates_from_the_projection_in_place(dtype):
+    check_gates_from_source(dtype)
+
+
+def check_gates_from_source(dtype):
+    """gates=GateSource(source, b_offset, A_log, dt_bias, num_valid): the prep kernel reads b and a out of a
+    wider array (the fused projection's product) and computes g, beta and the padding mask as
+    `jaxgdn.gdn.gdn_gates` and `gdn_projections` do in XLA. T = 70 pads the last chunk past the source's
+    rows; row 1 has 41 real tokens. Output and state equal the kernel fed XLA's g and beta. (In bf16, XLA's
+    sigmoid rounds each of its three ops to bf16 and the kernel only its result, as the mixer kernel does:
+    beta differs in the last bit for ~30% of values, so bf16 compares against beta rounded once.)"""
+    from types import SimpleNamespace
+
+    from jaxgdn.gdn import gdn_gates
+
+    B, T, Hv = 2, 70, 2
+    q, k, v, _, _, s0 = random_inputs(B=B, T=T, Hk=1, Hv=Hv, dk=16, dv=32, seed=11)
+    key = jax.random.PRNGKey(12)
+    b_raw, a_raw, before, after = (jax.random.normal(jax.random.fold_in(key, i), (B, T, n)).astype(dtype)
+                                   for i, n in enumerate((Hv, Hv, 24, 8)))
+    source = jnp.concatenate([before, b_raw, a_raw, after], axis=-1)
+    mixer = SimpleNamespace(A_log=jnp.log(jnp.array([0.5, 4.0])), dt_bias=jnp.array([0.3, -1.0], dtype))
+    num_valid = jnp.array([T, 41])
+    g, beta = gdn_gates(mixer, a_raw, b_raw)
+    beta = jax.nn.sigmoid(b_raw.astype(jnp.float32)).astype(dtype).astype(jnp.float32)  # rounded once
+    real = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
+    g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    want, want_s = gdn_chunked_pallas(q, k, v, g, beta, s0)
+    got, got_s = gdn_chunked_pallas(q, k, v, None, None, s0,
+                                    gates=GateSource(source, 24, mixer.A_log, mixer.dt_bias, num_valid))
+    assert max_err(got, want) <= 1e-5 * max(1.0, float(jnp.abs(want).max()))
+    assert max_err(got_s, want_s) <= 1e-5 * max(1.0, float(jnp.abs(want_s).max()))
+    with pytest.raises(ValueError, match="g = beta = None"):
+        gdn_chunked_pallas(q, k, v, g, beta, s0, gates=GateSource(source, 24, mixer.A_log, mixer.dt_bias))
+    # jitted as the layer runs it (compiled on a GPU: test_gpu.py)
+    got_jit, _ = jax.jit(lambda src, n: gdn_chunked_pallas(q, k, v, None, None, s0, gates=GateSource(
+        src, 24, mixer.A_log, mixer.dt_bias, n)))(source, num_valid)
+    assert max_err(got_jit, want) <= 1e-5 * max(1.0, float(jnp.abs(want).max()))
+
+
 def test_gate_needs_the_chunked_kernel():
     q, k, v, g, beta, s0 = random_inputs(T=5)
     gate = OutputGate(jnp.ones(v.shape), jnp.ones(v.shape[-1]), 1e-6)
@@ -103,7 +145,7 @@ def test_gdn_layer_with_the_norm_in_the_kernel_equals_the_xla_norm():
     from helpers import small_config
 
     from jaxgdn.config import LINEAR_ATTENTION
-    from jaxgdn.gdn import gdn_layer
+    from jaxgdn.gdn import gdn_inputs, gdn_layer
     from jaxgdn.params import fuse_projections, init_random_params
     from pallas_kernels.gdn import runs_chunked_pallas
 
@@ -113,6 +155,8 @@ def test_gdn_layer_with_the_norm_in_the_kernel_equals_the_xla_norm():
     assert runs_chunked_pallas("pallas", 40) and not runs_chunked_pallas("chunked", 40)
     x = jax.random.normal(jax.random.PRNGKey(4), (2, 40, cfg.hidden_size))
     num_valid = jnp.array([40, 23])
+    assert gdn_inputs(p, cfg, x, jnp.zeros((2, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)), num_valid,
+                      impl="pallas").gates is not None  # the prep kernel computes g and beta in place
     want, want_state = gdn_layer(p, cfg, x, None, impl="chunked", num_valid=num_valid)
     got, got_state = gdn_layer(p, cfg, x, None, impl="pallas", num_valid=num_valid)
     assert max_err(got, want) <= 1e-4 * max(1.0, float(jnp.abs(want).max()))

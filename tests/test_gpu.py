@@ -101,6 +101,16 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
 
+def test_chunked_kernel_gates_from_the_projection_compiled():
+    """The prep kernel's in-place gates (GateSource) compiled: against the kernel fed XLA's g and beta."""
+    import jax.numpy as jnp
+
+    from test_gdn_pallas import check_gates_from_source
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        check_gates_from_source(dtype)
+
+
 @pytest.mark.parametrize("T, B", [(1, 64), (2, 32), (4, 8)])
 def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B):
     """The in-place pool kernel as the engine runs it (dv tiles of `_value_block`, `pool_warps(T)` warps,
