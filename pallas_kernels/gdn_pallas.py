@@ -19,7 +19,8 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   storing each chunk's entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter +
   (QKᵀ ⊙ Dec) V', and with `gate=` it applies the layer's gated RMS norm before the store (the GDN
   layer's default there).
-  Each row of the batch starts from its own initial state and chunks never cross rows.
+  Each row of the batch starts from its own initial state and chunks never cross rows. With `GateSource`
+  the prep kernel computes g and β itself from the input projection's b and a columns, read in place.
 
 Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
 models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32
@@ -460,6 +461,10 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     else:  # padded steps get g = beta = 0 in the kernel
         if g is not None or beta is not None:
             raise ValueError("gates= computes g and beta in the kernel: pass g = beta = None")
+        src_shape = gates.source.shape
+        if src_shape[:2] != (B, T) or not 0 <= gates.b_offset <= src_shape[2] - 2 * Hv:
+            raise ValueError(f"GateSource: source {src_shape} has no [{B}, {T}] rows with b and a columns at "
+                             f"{gates.b_offset} .. {gates.b_offset + 2 * Hv}")
         n = jnp.full((B,), T, jnp.int32) if gates.num_valid is None else jnp.minimum(gates.num_valid, T)
         gate_args = (gates.source, gates.A_log, gates.dt_bias, n.astype(jnp.int32))
         gate_info = (T, gates.b_offset, Hv)

@@ -125,6 +125,8 @@ def check_gates_from_source(dtype):
     assert max_err(got_s, want_s) <= 1e-5 * max(1.0, float(jnp.abs(want_s).max()))
     with pytest.raises(ValueError, match="g = beta = None"):
         gdn_chunked_pallas(q, k, v, g, beta, s0, gates=GateSource(source, 24, mixer.A_log, mixer.dt_bias))
+    with pytest.raises(ValueError, match="b and a columns"):  # the a columns would run past the source
+        gdn_chunked_pallas(q, k, v, None, None, s0, gates=GateSource(source, 34, mixer.A_log, mixer.dt_bias))
     # jitted as the layer runs it (compiled on a GPU: test_gpu.py)
     got_jit, _ = jax.jit(lambda src, n: gdn_chunked_pallas(q, k, v, None, None, s0, gates=GateSource(
         src, 24, mixer.A_log, mixer.dt_bias, n)))(source, num_valid)
