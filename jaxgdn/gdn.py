@@ -63,8 +63,11 @@ def conv_checkpoint_inputs(window, mixed, spec_window: int):
 
 
 def gdn_gates(p, a, b):
-    """a, b: [B, T, Hv] -> (g log decay, beta) both fp32. g = -exp(A_log) * softplus(a + dt_bias)."""
-    beta = upcast(jax.nn.sigmoid(b))
+    """a, b: [B, T, Hv] -> (g log decay, beta) both fp32. g = -exp(A_log) * softplus(a + dt_bias).
+    beta = sigmoid(b) computed in fp32 and rounded once to b's dtype, as torch's bf16 sigmoid does (the
+    reference's) and as the kernels do (`gdn_pallas.gate_values`); XLA's bf16 sigmoid would round each of
+    its ops, differing in the last bit for ~30% of values."""
+    beta = upcast(jax.nn.sigmoid(upcast(b)).astype(b.dtype))
     g = -jnp.exp(upcast(p.A_log)) * jax.nn.softplus(upcast(a) + upcast(p.dt_bias))
     return g, beta
 
