@@ -24,7 +24,7 @@ export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
 steps=${*:-tests-engine tests-verify tests-kernels tests-rest kernels decode prefill spec pd startup}
-rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from)"
+rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from or library_gemms)"
 for step in $steps; do
   case $step in
     # The GPU suite in two halves, one device call each (r11: the engine tests and the first two kernel tests

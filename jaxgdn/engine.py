@@ -54,7 +54,8 @@ class LLMEngine:
                                   input_impl=input_impl,
                                   reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device,
                                   rebases=ecfg.uses_async_scheduling and self.K > 0,
-                                  fused_decode=ecfg.fused_decode_kernels)
+                                  fused_decode=ecfg.fused_decode_kernels,
+                                  library_gemms_min_tokens=ecfg.library_gemms_min_tokens)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

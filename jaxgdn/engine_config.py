@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -10,6 +11,15 @@ import jax.numpy as jnp
 
 # --async-scheduling on the command lines: its choices and the EngineConfig value each means
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def min_tokens_arg(text: str) -> int | None:
+    """--library-gemms-min-tokens on the command lines: 'off' -> None, else a token count >= 0."""
+    if text.lower() == "off":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'off', got {text!r}")
+    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +78,13 @@ class EngineConfig:
       stops early discards the rest of its launch's tokens; a waiting request that arrives meanwhile
       starts after the launch. None (default): 4 on a GPU (on the H200 a 0.8B decode step at batch 1 went
       from 2.07 to 1.40 ms, bench/results/decode-r5-*), 1 elsewhere.
+    library_gemms_min_tokens: steps whose token bucket holds at least this many tokens (prompt-sized
+      steps) compile their matrix products for cuBLAS(Lt) instead of XLA's Triton GEMMs
+      (`runner.LIBRARY_GEMM_OPTIONS`), so XLA folds the residual adds into the products' epilogues; None
+      turns it off. No effect off the GPU. On the H200 a stream of 0.8B 1x8192 prefill steps went from 26.60
+      to 26.22 ms a step (kernels 25.46 -> 24.89 ms), 1x2048 from 6.86 to 6.57, 8x1024 from 22.49 to 22.02
+      (bench/results/prefill-libgemm-{1024,off}-r33_gpu_20261203.json); decode steps (few tokens) keep the
+      Triton GEMMs, faster there (docs/gpu-log.md, r24).
     """
 
     max_num_seqs: int = 16
@@ -91,6 +108,7 @@ class EngineConfig:
     decode_steps_per_launch: int | None = None
     fold_norms: bool = True
     fused_decode_kernels: bool = True
+    library_gemms_min_tokens: int | None = 1024
 
     def __post_init__(self):
         checks = [
@@ -107,6 +125,8 @@ class EngineConfig:
              "async_scheduling needs pd=False (a PD handoff is only known once its step's results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
              "decode_steps_per_launch must be >= 1"),
+            (self.library_gemms_min_tokens is None or self.library_gemms_min_tokens >= 0,
+             "library_gemms_min_tokens must be >= 0 or None"),
             (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling
              or (self.num_speculative_tokens and not self.pd),
              "decode_steps_per_launch > 1 needs async scheduling (num_speculative_tokens=0, pd=False, "

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine_config import ASYNC_SCHEDULING_CHOICES
+from .engine_config import ASYNC_SCHEDULING_CHOICES, min_tokens_arg
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -69,6 +69,10 @@ def parse_args(argv=None):
                    help="run decode and verify rows on the layers' kernel chains instead of the one-kernel GDN "
                         "mixer and decode attention (same math; e.g. to rule those kernels out when chasing a "
                         "problem). They run on a GPU, or off it with the Pallas paths asked for")
+    e.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=1024, metavar="N|off",
+                   help="steps of at least N tokens (prompts) compile their matrix products for cuBLAS instead of "
+                        "XLA's Triton GEMMs, which lets XLA add the residual stream inside the products; GPU "
+                        "only (default 1024; off: never)")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
             decode_steps_per_launch=args.decode_steps_per_launch, fold_norms=not args.no_fold_norms,
             fused_decode_kernels=not args.no_fused_decode_kernels,
+            library_gemms_min_tokens=args.library_gemms_min_tokens,
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

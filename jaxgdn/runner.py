@@ -296,15 +296,31 @@ class LaunchArgs(NamedTuple):
     whole_prompts: bool
 
 
+# XLA compiler options of the programs for steps of at least EngineConfig.library_gemms_min_tokens tokens:
+# their matrix products go to cuBLAS(Lt) instead of XLA's Triton GEMMs. XLA folds a product's residual add
+# into the cuBLASLt call (beta = 1) only for products its GEMM rewriter sees as library calls; a product
+# first claimed for Triton and later handed to cuBLAS by the autotuner misses that rewrite, so the residual
+# adds and the post-attention norm that recomputes them ran as three bandwidth-bound kernels a layer (~37 us
+# at 8192 tokens). See bench/probes/residual_chain.py and bench/results/residual-chain-probe*-r33_gpu_*.json.
+LIBRARY_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def layout_tokens(layout: tuple) -> int:
+    """The token bucket T of a packed step's layout (pack_step_arrays): input_ids' length."""
+    return next(shape[0] for name, shape, _ in layout if name == "input_ids")
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla",
-                 rebases: bool = False, fused_decode: bool = True):
+                 rebases: bool = False, fused_decode: bool = True, library_gemms: bool = False):
     """One jitted step function per static setting, shared by every runner in the process, so engines
-    built with the same model and settings reuse each other's compiled buckets."""
+    built with the same model and settings reuse each other's compiled buckets. library_gemms: compile with
+    LIBRARY_GEMM_OPTIONS (no effect off the GPU)."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded, rebases=rebases,
                                      fused_decode=fused_decode),
-                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7))
+                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7),
+                   compiler_options=LIBRARY_GEMM_OPTIONS if library_gemms else None)
 
 
 class ModelRunner:
@@ -314,7 +330,8 @@ class ModelRunner:
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
-                 attention_impl: str = "xla", rebases: bool = False, fused_decode: bool = True):
+                 attention_impl: str = "xla", rebases: bool = False, fused_decode: bool = True,
+                 library_gemms_min_tokens: int | None = None):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
@@ -328,8 +345,17 @@ class ModelRunner:
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
         # fused_decode: EngineConfig.fused_decode_kernels
-        self._step = _jitted_step(cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases,
-                                  fused_decode)
+        # library_gemms_min_tokens: EngineConfig.library_gemms_min_tokens (None: every step on _step)
+        static = (cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases, fused_decode)
+        self._step = _jitted_step(*static)
+        self._library_step = _jitted_step(*static, library_gemms=True)
+        self.library_gemms_min_tokens = library_gemms_min_tokens
+
+    def program(self, layout: tuple):
+        """The jitted step that runs a launch of this packed layout: the library-GEMM program for token
+        buckets of at least library_gemms_min_tokens, else the default one."""
+        threshold = self.library_gemms_min_tokens
+        return self._library_step if threshold is not None and layout_tokens(layout) >= threshold else self._step
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""
@@ -369,8 +395,8 @@ class ModelRunner:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
         if resident is None:
             resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
-        self.state, flat, self._resident_inputs[size] = self._step(self.params, self.state, resident, step_input,
-                                                                   layout, stochastic, num_steps, whole_prompts)
+        self.state, flat, self._resident_inputs[size] = self.program(layout)(
+            self.params, self.state, resident, step_input, layout, stochastic, num_steps, whole_prompts)
         return flat
 
     @property

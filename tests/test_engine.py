@@ -37,9 +37,14 @@ def engine(**kw) -> LLMEngine:
 
 @pytest.mark.parametrize("enforce_eager", [False, pytest.param(True, marks=pytest.mark.slow)])  # eager: test_spec_pd
 def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
+    """Also: steps of >= 16 tokens run the library-GEMM program (EngineConfig.library_gemms_min_tokens; the
+    same math, its compiler option matters on a GPU only), shorter ones the default program."""
     prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(16)]
-    eng = engine(enforce_eager=enforce_eager)
+    eng = engine(enforce_eager=enforce_eager, library_gemms_min_tokens=16)
     eng.record_inputs = True
+    r = eng.runner
+    assert r.program((("input_ids", (16,), "int32"),)) is r._library_step is not r._step
+    assert r.program((("input_ids", (15,), "int32"),)) is r._step
     rids = run_staggered(eng, prompts, 2, GREEDY)
     for rid, p in zip(rids, prompts):
         out = eng.output(rid)
@@ -50,6 +55,8 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
         assert all(tok == p[pos] for pos, tok in fed if pos < len(p))
     if not enforce_eager:  # buckets bound the number of traces
         assert eng.runner.num_compiled_shapes <= 12
+    token_buckets = {key[0] for key in eng.runner.shapes_seen}
+    assert min(token_buckets) < 16 <= max(token_buckets)  # both programs ran
 
 
 @pytest.mark.parametrize("n_requests, fold_norms", [(1, False), (3, True)])  # the norms unfolded too
@@ -373,8 +380,9 @@ def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
     eng.add_request(prompt(701, 5), GREEDY)
     eng.step()
     host_buf, layout, *static = eng.runner.last_device_args
-    hlo = eng.runner._step.lower(eng.runner.params, eng.runner.state, jnp.zeros(host_buf.size + 1, jnp.int32),
-                                 jnp.asarray(host_buf), layout, *static).compile().as_text()
+    r = eng.runner
+    hlo = r.program(layout).lower(r.params, r.state, jnp.zeros(host_buf.size + 1, jnp.int32), jnp.asarray(host_buf),
+                                  layout, *static).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     (name,) = {line.split("=")[0].strip() for line in entry if "parameter(" in line and "host_input" in line}
     readers = [line for line in entry if name in line.split("=", 1)[-1]]

@@ -248,6 +248,38 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
         assert outside_sampling_support(params, cfg, p, got, sp) == []
 
 
+def test_library_gemms_fold_the_residual_adds_into_the_products_compiled():
+    """Prompt-sized steps (EngineConfig.library_gemms_min_tokens) compile their products for cuBLAS(Lt): the
+    compiled step then adds the residual stream in the products' epilogues (GEMMs with beta = 1, at least
+    one per layer), which the default program's Triton-claimed products do not; greedy tokens stay those
+    of plain greedy decoding."""
+    import jax.numpy as jnp
+
+    from jaxgdn.engine import LLMEngine
+
+    cfg = small_config(eos_token_ids=())
+    params = init_random_params(cfg, seed=8)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 300)]
+    ecfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=320, kv_page_size=8,
+                        dtype="float32", library_gemms_min_tokens=256)
+    eng = LLMEngine(params, cfg, ecfg, garbage_seed=1)
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    eng.step()  # the whole prompt: one step of a >= 256-token bucket
+    r = eng.runner
+    host_buf, layout, *static = r.last_device_args
+    assert r.program(layout) is r._library_step
+
+    def fused_bias_gemms(program):
+        text = program.lower(r.params, r.state, jnp.zeros(host_buf.size + 1, jnp.int32), jnp.asarray(host_buf),
+                             layout, *static).compile().as_text()
+        return text.count('"beta":1')
+
+    library, default = fused_bias_gemms(r._library_step), fused_bias_gemms(r._step)
+    assert library >= cfg.num_hidden_layers and library > default, (library, default)
+    eng.run_until_done()
+    assert eng.output(rid).token_ids == naive_greedy(params, cfg, prompt, 4, pad_to=320)
+
+
 def serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling):
     """Serve prompts with MTP K=2 (fp32) to the end; decode_steps_per_launch=steps, async_scheduling=
     scheduling (None: the defaults). Returns (engine, request ids)."""

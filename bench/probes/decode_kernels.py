@@ -166,8 +166,9 @@ def main(out_path=None, batches=(1, 64)):
             eng.step()
         runner = eng.runner
         host_buf, layout, stochastic, num_steps, whole = runner.last_device_args
-        compiled = runner._step.lower(runner.params, runner.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32),
-                                      host_buf, layout, stochastic, num_steps, whole).compile()
+        compiled = runner.program(layout).lower(runner.params, runner.state,
+                                                jnp.zeros(host_buf.shape[0] + 1, jnp.int32), host_buf, layout,
+                                                stochastic, num_steps, whole).compile()
         hlo_text = compiled.as_text()
         sources = hlo_sources(hlo_text)
         if out_path:  # the compiled step itself, to join other traces against later

@@ -39,7 +39,7 @@ def main(model="qwen3.5-0.8b", k=1):
             resident = runner._resident_inputs.get(size)
             resident = np.zeros(size + 1, np.int32) if resident is None else resident
             t0 = time.perf_counter()
-            traced = runner._step.trace(runner.params, runner.state, resident, step_input, layout, stochastic,
+            traced = runner.program(layout).trace(runner.params, runner.state, resident, step_input, layout, stochastic,
                                         num_steps, whole_prompts)
             t1 = time.perf_counter()
             traced.lower()

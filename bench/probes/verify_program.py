@@ -35,8 +35,8 @@ def main(out_path: str) -> None:
         r = eng.runner
         host_buf, layout, stochastic, num_steps, whole = r.last_device_args
         t0 = time.perf_counter()
-        lowered = r._step.lower(r.params, r.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32), host_buf, layout,
-                                stochastic, num_steps, whole)
+        lowered = r.program(layout).lower(r.params, r.state, jnp.zeros(host_buf.shape[0] + 1, jnp.int32), host_buf,
+                                          layout, stochastic, num_steps, whole)
         hlo = lowered.compile().as_text()
         row = {"K": K, "steps_per_launch": num_steps, "while": len(re.findall(r"\bwhile\(", hlo)),
                "conditional": len(re.findall(r"\bconditional\(", hlo)),

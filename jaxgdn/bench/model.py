@@ -85,7 +85,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
                         attention_impl: str = "xla", async_scheduling: bool | None = None,
                         decode_steps_per_launch: int | None = None, fold_norms: bool = True,
-                        fused_decode_kernels: bool = True):
+                        fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = 1024):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
     memory fraction), bf16, K MTP drafts."""
     from ..engine_config import EngineConfig
@@ -96,7 +96,7 @@ def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: 
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
                         gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling,
                         decode_steps_per_launch=decode_steps_per_launch, fold_norms=fold_norms,
-                        fused_decode_kernels=fused_decode_kernels)
+                        fused_decode_kernels=fused_decode_kernels, library_gemms_min_tokens=library_gemms_min_tokens)
 
 
 def make_engine(params, cfg, **config):
@@ -243,7 +243,8 @@ def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
 
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gdn_impl: str = "auto",
                       attention_impl: str = "xla", profile_dir: str | None = None,
-                      fold_norms: bool = True) -> tuple[float, dict, dict | None]:
+                      fold_norms: bool = True, library_gemms_min_tokens: int | None = 1024
+                      ) -> tuple[float, dict, dict | None]:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
     that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
     replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with
@@ -253,7 +254,8 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
-                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False, fold_norms=fold_norms)
+                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=False, fold_norms=fold_norms,
+                      library_gemms_min_tokens=library_gemms_min_tokens)
     rng = np.random.default_rng(length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     runs, phases = [], collections.defaultdict(list)
@@ -280,7 +282,8 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
 
 
 def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 8, gdn_impl: str = "auto",
-                             attention_impl: str = "xla", fold_norms: bool = True) -> float:
+                             attention_impl: str = "xla", fold_norms: bool = True,
+                             library_gemms_min_tokens: int | None = 1024) -> float:
     """ms per step of a stream of prefill steps: steps x batch prompts of `length` tokens queued at once,
     one step of `batch` whole prompts each, run back to back with async scheduling (the engine builds and
     launches step n+1 before step n's tokens come back, so the host's part of a step hides behind the
@@ -291,7 +294,8 @@ def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 
 
     # two steps' worth of slots and pages: the next step's prompts are admitted while the last is in flight
     eng = make_engine(params, cfg, batch=2 * batch, max_model_len=length + 8, max_batched=batch * length,
-                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=True, fold_norms=fold_norms)
+                      gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=True, fold_norms=fold_norms,
+                      library_gemms_min_tokens=library_gemms_min_tokens)
     rng = np.random.default_rng(length + 1)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(2):  # the first round compiles
@@ -458,7 +462,8 @@ def bench_prefill(args) -> dict:
         profile = os.path.join(args.profile, f"{batch}x{length}") if args.profile else None
         ms, split, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
                                                attention_impl=args.attention_impl, profile_dir=profile,
-                                               fold_norms=args.fold_norms == "on")
+                                               fold_norms=args.fold_norms == "on",
+                                               library_gemms_min_tokens=args.library_gemms_min_tokens)
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
                "flops": flops, "flop_floor_ms": flops / (tflops * 1e12) * 1e3, **split}
@@ -467,7 +472,8 @@ def bench_prefill(args) -> dict:
         row["over_floor"] = ms / row["flop_floor_ms"]
         if args.stream_steps:
             stream = engine_prefill_stream_ms(params, cfg, batch, length, args.stream_steps, gdn_impl=args.gdn_impl,
-                                              attention_impl=args.attention_impl, fold_norms=args.fold_norms == "on")
+                                              attention_impl=args.attention_impl, fold_norms=args.fold_norms == "on",
+                                              library_gemms_min_tokens=args.library_gemms_min_tokens)
             row.update(stream_steps=args.stream_steps, stream_ms_per_step=stream,
                        stream_tokens_per_s=batch * length / stream * 1e3,
                        stream_over_floor=stream / row["flop_floor_ms"])
@@ -484,7 +490,8 @@ def bench_prefill(args) -> dict:
 
 
 def _prefill_payload(args, sizes, tflops, rows) -> dict:
-    return _payload("prefill", args, sizes, rows, matmul_tflops=tflops, timing=PREFILL_TIMING)
+    return _payload("prefill", args, sizes, rows, matmul_tflops=tflops, timing=PREFILL_TIMING,
+                    library_gemms_min_tokens=args.library_gemms_min_tokens)
 
 
 def _model_label(model: str) -> str:
