@@ -40,7 +40,8 @@ for step in $steps; do
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-verify_$stamp.txt" ;;
     # tests-kernels allows 560 s since r18: the GDN kernel test compiles both scan depths and a bf16 run
     # (its two large shapes took 100 and 57 s). r27: with the pool kernel's tests the half ran past 560 s at
-    # the prompt conv test, so the sampled-MTP engine test and the conv and KV-write kernels are tests-rest.
+    # the prompt conv test, so the sampled-MTP engine test and the conv and KV-write kernels are tests-rest
+    # (with the prefill q/k/v kernel, the in-place gates and, since r33, the library-GEMM prompt program).
     tests-kernels) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
                -k "not pd_ and not four_steps and not $rest_tests" > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-kernels_$stamp.txt" ;;
