@@ -3,8 +3,9 @@
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
-#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe ...]
-#   (default: all but the twenty-three extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
+#                       residual-probe|libgemm-ab ...]
+#   (default: all but the twenty-five extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -97,6 +98,15 @@ for step in $steps; do
     graph-launch) for kind in elementwise gemm; do
                timeout 150 python3 bench/probes/graph_launch.py "$dest/graph-launch-probe-$kind""_gpu_$stamp.json" 480 $kind \
                  2>&1 | grep -v Warning
+             done ;;
+    # r33: the residual chain's adds folded into cuBLASLt products or not (bench/probes/residual_chain.py), with
+    # Triton GEMMs on (default) and off; then the engine's prefill with library_gemms_min_tokens 1024 against off
+    residual-probe) timeout 150 python3 bench/probes/residual_chain.py "$dest/residual-chain-probe_gpu_$stamp.json" 2>&1 | grep -v Warning
+             XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 150 python3 bench/probes/residual_chain.py \
+               "$dest/residual-chain-probe-cublas_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    libgemm-ab) for v in 1024 off; do
+               timeout 280 python3 -m jaxgdn.bench prefill --no-peer --library-gemms-min-tokens $v --profile /tmp/prof-$v \
+                 --out "$dest/prefill-libgemm-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it
