@@ -13,6 +13,11 @@ import jax.numpy as jnp
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
 
 
+# EngineConfig.library_gemms_min_tokens' default, also the command lines' and benchmarks' (r33: every shape of
+# >= 1024 tokens measured gained on the H200, bench/results/prefill-libgemm-*-r33_gpu_20261203.json)
+LIBRARY_GEMMS_MIN_TOKENS = 1024
+
+
 def min_tokens_arg(text: str) -> int | None:
     """--library-gemms-min-tokens on the command lines: 'off' -> None, else a token count >= 0."""
     if text.lower() == "off":
@@ -108,7 +113,7 @@ class EngineConfig:
     decode_steps_per_launch: int | None = None
     fold_norms: bool = True
     fused_decode_kernels: bool = True
-    library_gemms_min_tokens: int | None = 1024
+    library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
 
     def __post_init__(self):
         checks = [

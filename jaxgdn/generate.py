@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine_config import ASYNC_SCHEDULING_CHOICES, min_tokens_arg
+from .engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -69,10 +69,11 @@ def parse_args(argv=None):
                    help="run decode and verify rows on the layers' kernel chains instead of the one-kernel GDN "
                         "mixer and decode attention (same math; e.g. to rule those kernels out when chasing a "
                         "problem). They run on a GPU, or off it with the Pallas paths asked for")
-    e.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=1024, metavar="N|off",
+    e.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
+                   metavar="N|off",
                    help="steps of at least N tokens (prompts) compile their matrix products for cuBLAS instead of "
                         "XLA's Triton GEMMs, which lets XLA add the residual stream inside the products; GPU "
-                        "only (default 1024; off: never)")
+                        f"only (default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
     e.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
     ap.add_argument("--demo-problems", type=int, default=4,

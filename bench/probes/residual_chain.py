@@ -15,7 +15,8 @@ for the mixer's kernels):
 
 Rows: form, device busy µs per chain, kernels, GEMMs with a fused matrix bias (beta = 1 in the compiled
 HLO), max |x - x_engine|. One more row times a plain Pallas copy kernel, to see whether XLA sets memory
-before every Pallas (Triton) call, as the engine's profiles show (one 'Memset' per Pallas call).
+before every Pallas (Triton) call (the engine's prefill profiles show about one 'Memset' per Pallas call;
+r33: this kernel ran without one).
 """
 
 import json

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..engine_config import ASYNC_SCHEDULING_CHOICES, min_tokens_arg
+from ..engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
 from .common import environment, write_result
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")
-            m.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=1024, metavar="N|off",
+            m.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
+                           metavar="N|off",
                            help="EngineConfig.library_gemms_min_tokens: steps of at least N tokens compile their "
-                                "matrix products for cuBLAS instead of XLA's Triton GEMMs (default 1024; off: never)")
+                                "matrix products for cuBLAS instead of XLA's Triton GEMMs "
+                                f"(default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
             m.add_argument("--stream-steps", type=int, default=8, metavar="N",
                            help="also time a stream of N steps of each shape back to back with async scheduling "
                                 "(a prefill worker's throughput; 0: skip)")

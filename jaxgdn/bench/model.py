@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from ..engine_config import ASYNC_SCHEDULING_CHOICES
+from ..engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS
 from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, measured_matmul_tflops
 
 
@@ -85,7 +85,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
                         attention_impl: str = "xla", async_scheduling: bool | None = None,
                         decode_steps_per_launch: int | None = None, fold_norms: bool = True,
-                        fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = 1024):
+                        fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
     memory fraction), bf16, K MTP drafts."""
     from ..engine_config import EngineConfig
@@ -243,7 +243,7 @@ def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
 
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gdn_impl: str = "auto",
                       attention_impl: str = "xla", profile_dir: str | None = None,
-                      fold_norms: bool = True, library_gemms_min_tokens: int | None = 1024
+                      fold_norms: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
                       ) -> tuple[float, dict, dict | None]:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
     that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
@@ -283,7 +283,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
 
 def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 8, gdn_impl: str = "auto",
                              attention_impl: str = "xla", fold_norms: bool = True,
-                             library_gemms_min_tokens: int | None = 1024) -> float:
+                             library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS) -> float:
     """ms per step of a stream of prefill steps: steps x batch prompts of `length` tokens queued at once,
     one step of `batch` whole prompts each, run back to back with async scheduling (the engine builds and
     launches step n+1 before step n's tokens come back, so the host's part of a step hides behind the
