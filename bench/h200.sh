@@ -4,7 +4,7 @@
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
-#                       residual-probe|libgemm-ab ...]
+#                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab ...]
 #   (default: all but the twenty-five extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
@@ -25,7 +25,7 @@ export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
 steps=${*:-tests-engine tests-verify tests-kernels tests-rest kernels decode prefill spec pd startup}
-rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from or library_gemms)"
+rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from or library_gemms or swiglu)"
 for step in $steps; do
   case $step in
     # The GPU suite in two halves, one device call each (r11: the engine tests and the first two kernel tests
@@ -107,6 +107,16 @@ for step in $steps; do
     libgemm-ab) for v in 1024 off; do
                timeout 280 python3 -m jaxgdn.bench prefill --no-peer --library-gemms-min-tokens $v --profile /tmp/prof-$v \
                  --out "$dest/prefill-libgemm-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
+             done ;;
+    # r34: the MLP's gate/up product with SiLU * up in its epilogue (Mosaic GPU) against cuBLAS + the multiply,
+    # then the engine's prefill with the kernel (the default, mlp.SWIGLU_KERNEL_MIN_TOKENS) and without it
+    swiglu-probe) timeout 200 python3 bench/probes/swiglu_mosaic.py "$dest/swiglu-mosaic-probe_gpu_$stamp.json" 8192 4096 2048 \
+               2>&1 | grep -v Warning ;;
+    swiglu-ab) for v in off on; do
+               timeout 280 python3 -c "import runpy, sys; import jaxgdn.mlp as m
+if sys.argv[1] == 'off': m.SWIGLU_KERNEL_MIN_TOKENS = 1 << 62
+sys.argv = ['jaxgdn.bench'] + sys.argv[2:]; runpy.run_module('jaxgdn.bench', run_name='__main__', alter_sys=True)" \
+                 $v prefill --no-peer --profile /tmp/prof-swiglu-$v --out "$dest/prefill-swiglu-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it

@@ -81,8 +81,11 @@ class DeferredNorm:
             # device 0.858 against 0.894 ms a step (bench/results/fold-forms-{barrier,folded}-probe_gpu_20261202.json).
             x = jax.lax.optimization_barrier(self.x)
             return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=wide), self.inv_rms
-        scaled = (upcast(self.x) * self.inv_rms).astype(self.x.dtype)
-        return jnp.einsum("...i,oi->...o", scaled, w), None
+        return jnp.einsum("...i,oi->...o", self.rows(), w), None
+
+    def rows(self):
+        """x / rms(x) in x's dtype [..., H]: the input rows a product of more than POST_SCALE_MAX_TOKENS reads."""
+        return (upcast(self.x) * self.inv_rms).astype(self.x.dtype)
 
     def product(self, w):
         """(x / rms(x)) @ w.T for w [out, H] (Hugging Face layout) -> [..., out] in x.dtype."""
