@@ -12,8 +12,8 @@ from .params import FUSED_PROJECTIONS
 # An MLP over at least this many tokens with fused gate/up weights runs SiLU(gate) * up inside the gate/up
 # product's kernel on a Hopper GPU (`pallas_kernels/swiglu_mosaic.py`), saving the pass over the [T, 2I]
 # product. 0.8B widths on the H200, kernel against cuBLAS + the multiply in us: 8192 tokens 171.6 vs 189.7,
-# 4096 87.7 vs 99.1 (bench/results/swiglu-mosaic-probe-r34d_gpu_20261203.json); 2048 51.2 vs 51.0 on the
-# kernel's first form (-r34c): its GEMM runs at ~87% of cuBLAS's rate, so the saved pass pays from 4096.
+# 4096 87.7 vs 99.1 (bench/results/swiglu-mosaic-probe-r34d_gpu_20261203.json); 2048 51.2 vs 51.0 without
+# the cluster (-r34c): its GEMM runs at ~87% of cuBLAS's rate, so the saved pass pays from 4096.
 SWIGLU_KERNEL_MIN_TOKENS = 4096
 
 

@@ -3,7 +3,9 @@
 
     python bench/probes/swiglu_mosaic.py OUT.json [TOKENS ...]    # on the H200 (PYTHONPATH=.)
 
-Rows: form, tokens, device µs per call (busy, the profiler's), its kernels, TFLOP/s of the gate/up product,
+First the "_cold" rows: each form over 8 distinct weights in one program, so each layer's weight comes from
+HBM as in the model (r34: the kernel took ~182 us a layer in the engine's step against 171.6 here warm).
+Then rows: form, tokens, device µs per call (busy, the profiler's), its kernels, TFLOP/s of the gate/up product,
 max |y - y_xla| against the XLA form (both in bf16). The XLA form is compiled with Triton GEMMs off, as
 the engine's prompt steps are (`runner.LIBRARY_GEMM_OPTIONS`). Also JAX's own Hopper matmul example at
 the same shape (no epilogue), to tell the kernel's GEMM speed from its epilogue's cost.
@@ -29,11 +31,37 @@ def xla_form(x, w):
     return jax.nn.silu(gate) * up
 
 
-def main(out_path, token_counts=(8192, 2048)):
+COLD_LAYERS = 8  # distinct weights in the cold rows: 8 x 14.7 MB, more than the H200's 50 MB L2
+
+
+def cold_rows(tokens, forms):
+    """Each form run over COLD_LAYERS distinct weights in one program, as the model's layers run (the weight
+    comes from HBM, not L2): device µs per layer."""
+    keys = jax.random.split(jax.random.PRNGKey(tokens + 1), 2)
+    x = jax.random.normal(keys[0], (tokens, HIDDEN), jnp.bfloat16)
+    ws = (jax.random.normal(keys[1], (COLD_LAYERS, 2 * INTER, HIDDEN), jnp.float32) * HIDDEN**-0.5).astype(jnp.bfloat16)
     rows = []
+    for name, form, options in forms:
+        f = jax.jit(lambda x, ws, form=form: tuple(form(x, ws[i]) for i in range(COLD_LAYERS)), compiler_options=options)
+
+        def measure(f=f):
+            prof = profile_calls(f, x, ws, divide_by=10 * COLD_LAYERS)
+            return {"busy_us_per_layer": round(prof["busy_us"], 1),
+                    "kernels": [[n[:60], round(us, 1)] for n, us, _ in prof["top"][:3]]}
+
+        rows.append(probe_row({"form": name + "_cold", "tokens": tokens}, measure))
+    return rows
+
+
+def main(out_path, token_counts=(8192, 2048)):
+    rows = cold_rows(token_counts[0], [
+        ("xla_cublas_then_multiply", xla_form, LIBRARY_GEMMS),
+        ("mosaic_swiglu", lambda x, w: swiglu_product(x, w), None),
+        ("mosaic_swiglu_no_cluster", lambda x, w: swiglu_product(x, w, SwigluTiles(cluster=1)), None)])
     # r34's first two calls also tried keeping one step's wgmmas in flight (tiles released a step later) and
     # 128-deep k tiles, both slower (swiglu-mosaic-probe-r34b); that knob is gone from the kernel
-    tile_sets = [SwigluTiles(), SwigluTiles(cluster=1), SwigluTiles(stages=3), SwigluTiles(cluster=1, stages=3),
+    # (r34e also walked the tiles column block first: no faster, knob removed)
+    tile_sets = [SwigluTiles(), SwigluTiles(cluster=1), SwigluTiles(stages=3),
                  SwigluTiles(cluster=1, approx_math=False), SwigluTiles(tm=128, tn=64, cluster=1)]
     for tokens in token_counts:
         keys = jax.random.split(jax.random.PRNGKey(tokens), 2)
