@@ -5,7 +5,7 @@
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
 #                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab ...]
-#   (default: all but the twenty-five extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#   (default: all but the twenty-seven extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -13,7 +13,7 @@
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
 #   shipped model's spec rows, scan-probes the chunked GDN scan settings beside fla, mlp-probe the MLP's forms
 #   at 8192 tokens, decode-kernels a decode step's kernels named by their source, fold-ab the folded RMSNorm weights
-#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; `python -m jaxgdn.bench table
+#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -113,10 +113,9 @@ for step in $steps; do
     swiglu-probe) timeout 200 python3 bench/probes/swiglu_mosaic.py "$dest/swiglu-mosaic-probe_gpu_$stamp.json" 8192 4096 2048 \
                2>&1 | grep -v Warning ;;
     swiglu-ab) for v in off on; do
-               timeout 280 python3 -c "import runpy, sys; import jaxgdn.mlp as m
-if sys.argv[1] == 'off': m.SWIGLU_KERNEL_MIN_TOKENS = 1 << 62
-sys.argv = ['jaxgdn.bench'] + sys.argv[2:]; runpy.run_module('jaxgdn.bench', run_name='__main__', alter_sys=True)" \
-                 $v prefill --no-peer --profile /tmp/prof-swiglu-$v --out "$dest/prefill-swiglu-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
+               if [ $v = off ]; then min=off; else min=; fi
+               JAXGDN_SWIGLU_MIN_TOKENS=$min timeout 280 python3 -m jaxgdn.bench prefill --no-peer --profile /tmp/prof-swiglu-$v \
+                 --out "$dest/prefill-swiglu-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
     mlp-probe) timeout 100 python3 bench/probes/mlp_forms.py "$dest/mlp-forms-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: a 0.8B decode step's kernels at batches 1 and 64, each named by the model code that made it

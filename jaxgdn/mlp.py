@@ -1,11 +1,15 @@
 """SwiGLU MLP and the linear helper shared by every layer."""
 
+import argparse
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import swiglu_mosaic
 
+from .engine_config import min_tokens_arg
 from .norms import DeferredNorm
 from .params import FUSED_PROJECTIONS
 
@@ -14,7 +18,21 @@ from .params import FUSED_PROJECTIONS
 # product. 0.8B widths on the H200, kernel against cuBLAS + the multiply in us: 8192 tokens 171.6 vs 189.7,
 # 4096 87.7 vs 99.1 (bench/results/swiglu-mosaic-probe-r34d_gpu_20261203.json); 2048 51.2 vs 51.0 without
 # the cluster (-r34c): its GEMM runs at ~87% of cuBLAS's rate, so the saved pass pays from 4096.
-SWIGLU_KERNEL_MIN_TOKENS = 4096
+# `$JAXGDN_SWIGLU_MIN_TOKENS` (a token count, or 'off') sets it for the process: the escape hatch should
+# Mosaic GPU fail to compile somewhere, and the A/B switch of `bench/h200.sh swiglu-ab`. It is read once, at
+# import, so it holds for the whole process (the jitted layers are cached by shape, not by this value).
+SWIGLU_KERNEL_MIN_TOKENS_DEFAULT = 4096
+
+
+def _swiglu_min_tokens_from_env() -> int | None:
+    text = os.environ.get("JAXGDN_SWIGLU_MIN_TOKENS", "").strip()
+    try:
+        return min_tokens_arg(text) if text else SWIGLU_KERNEL_MIN_TOKENS_DEFAULT
+    except argparse.ArgumentTypeError as e:  # name the variable the bad value came from
+        raise ValueError(f"$JAXGDN_SWIGLU_MIN_TOKENS: {e}") from None
+
+
+SWIGLU_KERNEL_MIN_TOKENS = _swiglu_min_tokens_from_env()  # None: never
 
 
 def linear(x, w):
@@ -49,9 +67,10 @@ def split_outputs(y, sizes: tuple[int, ...]):
 
 def use_swiglu_kernel(p, x) -> bool:
     """Whether `gated_product(p, x)` runs the fused kernel: fused gate/up weights, at least
-    SWIGLU_KERNEL_MIN_TOKENS tokens in whole tiles, a Hopper GPU."""
+    SWIGLU_KERNEL_MIN_TOKENS tokens (None: never) in whole tiles, a Hopper GPU."""
     tokens = int(np.prod(x.shape[:-1]))
-    return (p.fused is not None and tokens >= SWIGLU_KERNEL_MIN_TOKENS and swiglu_mosaic.kernel_available()
+    min_tokens = SWIGLU_KERNEL_MIN_TOKENS
+    return (p.fused is not None and min_tokens is not None and tokens >= min_tokens and swiglu_mosaic.kernel_available()
             and p.fused.dtype == x.dtype and swiglu_mosaic.supported(tokens, x.shape[-1], p.down_proj.shape[1], x.dtype))
 
 

@@ -146,6 +146,15 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     assert not mlp.use_swiglu_kernel(p, x)
     gate, up = jnp.split(x @ w.T, 2, axis=-1)
     np.testing.assert_array_equal(np.asarray(mlp.gated_product(p, x)), np.asarray(jax.nn.silu(gate) * up))
+    # $JAXGDN_SWIGLU_MIN_TOKENS, read at import: a count, 'off' (never) or unset (the default); else an error
+    for text, want in [("512", 512), ("off", None), ("", mlp.SWIGLU_KERNEL_MIN_TOKENS_DEFAULT)]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", text)
+            assert mlp._swiglu_min_tokens_from_env() == want
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", "4k")
+        with pytest.raises(ValueError, match="JAXGDN_SWIGLU_MIN_TOKENS"):
+            mlp._swiglu_min_tokens_from_env()
     # a DeferredNorm's rows are the normed activation the products read
     normed = DeferredNorm(x, inverse_rms(x, 1e-6))
     np.testing.assert_array_equal(np.asarray(normed.rows() @ w.T), np.asarray(normed.product(w)))
