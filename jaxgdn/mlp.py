@@ -70,8 +70,9 @@ def use_swiglu_kernel(p, x) -> bool:
     SWIGLU_KERNEL_MIN_TOKENS tokens (None: never) in whole tiles, a Hopper GPU."""
     tokens = int(np.prod(x.shape[:-1]))
     min_tokens = SWIGLU_KERNEL_MIN_TOKENS
-    return (p.fused is not None and min_tokens is not None and tokens >= min_tokens and swiglu_mosaic.kernel_available()
-            and p.fused.dtype == x.dtype and swiglu_mosaic.supported(tokens, x.shape[-1], p.down_proj.shape[1], x.dtype))
+    return (p.fused is not None and min_tokens is not None and tokens >= min_tokens
+            and swiglu_mosaic.kernel_available() and p.fused.dtype == x.dtype
+            and swiglu_mosaic.supported(tokens, x.shape[-1], p.down_proj.shape[1], x.dtype))
 
 
 def gated_product(p, x):

@@ -73,8 +73,8 @@ def kernel_available() -> bool:
 
 def supported(m: int, k: int, width: int, dtype, tiles: SwigluTiles = DEFAULT_TILES) -> bool:
     """Whether swiglu_product runs [m, k] x [2 width, k] in dtype with these tiles (whole tiles only)."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and m % (2 * tiles.tm * tiles.cluster) == 0
-            and width % tiles.tn == 0 and k % tiles.tk == 0)
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and m % (2 * tiles.tm * tiles.cluster) == 0 and width % tiles.tn == 0 and k % tiles.tk == 0)
 
 
 def _transforms(minor_elems: int, dtype):

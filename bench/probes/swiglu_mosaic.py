@@ -42,7 +42,8 @@ def cold_rows(tokens, forms):
     ws = (jax.random.normal(keys[1], (COLD_LAYERS, 2 * INTER, HIDDEN), jnp.float32) * HIDDEN**-0.5).astype(jnp.bfloat16)
     rows = []
     for name, form, options in forms:
-        f = jax.jit(lambda x, ws, form=form: tuple(form(x, ws[i]) for i in range(COLD_LAYERS)), compiler_options=options)
+        f = jax.jit(lambda x, ws, form=form: tuple(form(x, ws[i]) for i in range(COLD_LAYERS)),
+                    compiler_options=options)
 
         def measure(f=f):
             prof = profile_calls(f, x, ws, divide_by=10 * COLD_LAYERS)
