@@ -92,7 +92,7 @@ for step in $steps; do
     # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r20: the chunked GDN's scan under launch settings beside fla's kernels; MLP forms at 8192 tokens
-    scan-probes) timeout 330 python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
+    scan-probes) timeout ${SCAN_PROBE_LIMIT:-330} python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r29: a CUDA graph's launch with its buffers moving or fixed (bench/probes/graph_launch.py), elementwise
     # and GEMM chains of 480 kernels
     graph-launch) for kind in elementwise gemm; do

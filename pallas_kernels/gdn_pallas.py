@@ -11,14 +11,19 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   from checkpoint `num_accepted - 1` of the row's slot (zeros for a fresh row) and writes one checkpoint
   per window position (verify rows) or the final state (other rows), with no gathered copy of states.
   It reads q, k, v from the packed conv output [B, T, q‖k‖v] (`conv_pallas.causal_conv_pooled`'s).
-- `gdn_chunked_pallas`: the chunked (WY) form in three kernels. `_prep_kernel` runs over all chunks in
-  parallel: cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward
-  substitution on 16-row blocks plus block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and the key
-  scale s = e^{γ_last-γ} (with the key norm). `_scan_kernel` is the only sequential part: per (row, head,
-  dv block) it walks the chunks with the state in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'),
-  storing each chunk's entering state and V'. `_output_kernel` is parallel again: O = (e^γ Q) S_enter +
-  (QKᵀ ⊙ Dec) V', and with `gate=` it applies the layer's gated RMS norm before the store (the GDN
-  layer's default there).
+- `gdn_chunked_pallas`: the chunked (WY) form. `_prep_kernel` runs over all chunks in parallel: cumulative
+  log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward substitution on 16-row blocks plus
+  block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and the key scale s = e^{γ_last-γ} (with the key
+  norm). The scan is the only sequential part: per (row, head, dv block) it walks the chunks with the state
+  in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'). The output is O = (e^γ Q) S_enter +
+  (QKᵀ ⊙ Dec) V'. Default (r35): `_output_parts_kernel` forms QKᵀ ⊙ Dec and the query factor in parallel
+  and `_scan_output_kernel` adds the two state-dependent products inside the scan's loop, so the entering
+  states and V' never go to memory; the layer's gated RMS norm (`gate=`) then runs in XLA. The older
+  form (`fuse_output=False`): `_scan_kernel` stores each chunk's entering state and V' and the parallel
+  `_output_kernel` reads them back, applying the gated norm before its store. At H=16, d=128 the default
+  took 163.7 / 608.6 / 481.6 µs of kernels at B1 T4096 / B1 T16384 / B8 T2048, 0.90x / 0.89x / 0.87x
+  fla's (bench/results/kernels-r35_gpu_20261203.json), against 184.8 / 691.2 / 505.3 for the older form
+  (bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
   Each row of the batch starts from its own initial state and chunks never cross rows. With `GateSource`
   the prep kernel computes g and β itself from the input projection's b and a columns, read in place.
 
@@ -341,7 +346,8 @@ def _source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, t0, T: int, b_of
     return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
 
 
-def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype):
+def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype,
+                 prefetch: bool = False):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the
     per-token key scale, applied to the [CHUNK, BV] V' (scaling the [CHUNK, dk] raw keys instead took 231 µs
@@ -351,16 +357,73 @@ def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     cols = pl.ds(iv * BV, BV)
+    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N)
 
-    def chunk(n, S):
+    def chunk(n, carry):
+        S, (kscale, g_last) = carry[0], (carry[1:] if prefetch else small(n))
+        ahead = small(n + 1) if prefetch else ()
         rows = pl.ds(n * CHUNK, CHUNK)
         h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
         v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
         vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        g_last = gam_ref[b, n * CHUNK + CHUNK - 1, h]
-        return S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale_ref[b, rows, h][:, None], dtype)
+        return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *ahead)
 
-    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, s0_ref[b, h, :, cols].astype(f32))
+    start = (s0_ref[b, h, :, cols].astype(f32), *(small(0) if prefetch else ()))
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, start)[0]
+
+
+def _chunk_scalars(kscale_ref, gam_ref, b, h, N, n, qf_ref=None):
+    """The scan's per-chunk loads that feed no product operand directly: the key scale [CHUNK] and γ_last
+    (and the fused output's query factor [CHUNK]) of chunk min(n, N - 1). Triton's pipelining leaves them in
+    the loop body; with `prefetch` the scan loads chunk n + 1's while chunk n runs, carried in the loop."""
+    n = jnp.minimum(n, N - 1)
+    rows = pl.ds(n * CHUNK, CHUNK)
+    out = (kscale_ref[b, rows, h], gam_ref[b, n * CHUNK + CHUNK - 1, h])
+    return out + ((qf_ref[b, rows, h],) if qf_ref is not None else ())
+
+
+def _output_parts_kernel(q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, scale, dtype):
+    """One (row, value head, chunk): the state-independent parts of the output for `_scan_output_kernel`:
+    intra = (QKᵀ ⊙ Dec) [CHUNK, CHUNK] in dtype (L2-normed, scaled queries and keys, Dec_ij = e^{γ_i-γ_j} for
+    i >= j, zero above) and the per-token query factor qf = scale e^γ / |q| [CHUNK] fp32. The product takes
+    the raw q and k as loaded; the norms scale it after, in fp32."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    rows = pl.ds(c * CHUNK, CHUNK)
+    r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    q, k = q_ref[b, rows, hk, :], k_ref[b, rows, hk, :]
+    inv_q, inv_k = (lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in (q, k))  # as _l2norm
+    gam = gam_ref[b, rows, h]
+    decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
+    intra = _dot(q, k.T, dtype) * (scale * inv_q)[:, None] * inv_k[None, :] * decay
+    intra_ref[b, rows, h, :] = intra.astype(intra_ref.dtype)
+    qf_ref[b, rows, h] = scale * inv_q * jnp.exp(gam)
+
+
+def _scan_output_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, q_ref, qf_ref, intra_ref, o_ref, sT_ref, *,
+                        N, BV, group, dtype, prefetch: bool = False):
+    """`_scan_kernel` with the output kernel's products in its loop while the state is in registers:
+    O = qf ⊙ (Q S_enter) + intra V', qf and intra from `_output_parts_kernel`, Q raw. The entering states
+    and V' never go to memory ([T/64, dk, dv] and [T, dv] a head, each written and read once by the
+    three-kernel form). The output's products do not feed the state: they can run beside the chain's."""
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    cols = pl.ds(iv * BV, BV)
+
+    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N, qf_ref=qf_ref)
+
+    def chunk(n, carry):
+        S, (kscale, g_last, qf) = carry[0], (carry[1:] if prefetch else small(n))
+        ahead = small(n + 1) if prefetch else ()
+        rows = pl.ds(n * CHUNK, CHUNK)
+        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
+        o = qf[:, None] * _dot(q_ref[b, rows, hk, :], S, dtype)
+        o_ref[b, rows, h, cols] = (o + _dot(intra_ref[b, rows, h, :], v_new, dtype)).astype(o_ref.dtype)
+        return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *ahead)
+
+    start = (s0_ref[b, h, :, cols].astype(f32), *(small(0) if prefetch else ()))
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, start)[0]
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -431,8 +494,9 @@ class GateSource(NamedTuple):
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, out_dtype=None, gates: GateSource | None = None):
-    """The chunked form as three kernels (see the module docstring). Returns (o fp32, final state fp32).
+                       scan_stages: int | None = None, out_dtype=None, gates: GateSource | None = None,
+                       fuse_output: bool = True, prefetch: bool = True):
+    """The chunked form (see the module docstring). Returns (o fp32, final state fp32).
 
     out_dtype: o's dtype without gate= (default fp32; fla's `chunk_gated_delta_rule` returns it in the
     inputs' dtype, which `bench kernels` asks for to compare the same work: the fp32 store is twice the
@@ -440,14 +504,24 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
 
     gates = `GateSource(...)` with g = beta = None: the prep kernel computes g and beta from the projection.
 
-    gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the output kernel also applies the GDN
-    layer's gated RMS norm (on whole heads) and returns it in z.dtype instead of o:
-    `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)` without the fp32 o's round trip
-    through memory (bench/probes/gdn_output_norm.py measures it).
+    gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the GDN layer's gated RMS norm applied
+    to o, returned in z.dtype: `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)`. With
+    fuse_output=False the output kernel applies it on whole heads before its store.
 
-    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py): block_v, block_v_out the dv tiles of the scan
-    and output kernels; warps per (prep, scan, output) kernel; scan_stages Triton's pipelining depth of the
-    scan's chunk loop (default: 3 when the scan has at most one program per SM, else 2). The prep kernel
+    fuse_output (default): the output's products in the scan's loop (`_scan_output_kernel`) instead of the
+    output kernel, which needs the entering states and V' through memory; the gated norm then runs in
+    XLA (the output's dv tiles are the scan's). On the H200 at 1x8192, 16 heads of 128, the layer's call
+    (in-place gates, the gated norm) took 361.0 µs of kernels against 390.0, the norm's XLA kernel 31.8
+    of it (bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
+    prefetch (default): the scan loads each chunk's key scale and γ_last (`_chunk_scalars`) one chunk
+    ahead; Triton's pipelining leaves loads that feed no product operand in the loop, each a memory wait:
+    the older scan 155.0 µs against 164.7 at 1x8192, and the fused scan with its query factor 161.7
+    against 260.0 (same files, -noprefetch for the latter).
+
+    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py, gdn_scan_configs.py): block_v, block_v_out the
+    dv tiles of the scan and output kernels; warps per (prep, scan, output or output-parts) kernel;
+    scan_stages Triton's pipelining depth of the scan's chunk loop (default: 3 when the scan has at most
+    one program per SM, else 2). The prep kernel
     runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
     combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
     prep_warps, scan_warps, out_warps = warps
@@ -479,13 +553,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     interpret = interpret_default(interpret)
     group = Hv // Hk
     sds = jax.ShapeDtypeStruct
+    BV = block_v or _value_block(dvp, B * Hv)
     w, u, kscale, gam = pl.pallas_call(
         functools.partial(_prep_kernel, group=group, dtype=dtype, gates=gate_info),
         out_shape=(sds((B, Tp, Hv, dkp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Tp, Hv), f32),
                    sds((B, Tp, Hv), f32)),
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, *gate_args)
-    BV = block_v or _value_block(dvp, B * Hv)
     if scan_stages is None:
         # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
         # (dv tile 16, 128 programs) 151 µs against 191 for the hand-written one-chunk prefetch this kernel
@@ -493,10 +567,29 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         # eight rows of 1024 (dv tile 64, 256 programs) 74 µs on 2 stages against 88 on 3
         # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
+    scan_params = triton_params(scan_warps, num_stages=scan_stages)
+    if fuse_output:
+        if gate is not None and out_dtype is not None:
+            raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
+        o_dtype = gate[0].dtype if gate is not None else (out_dtype or f32)
+        intra, qf = pl.pallas_call(
+            functools.partial(_output_parts_kernel, group=group, scale=dk**-0.5, dtype=dtype),
+            out_shape=(sds((B, Tp, Hv, CHUNK), dtype), sds((B, Tp, Hv), f32)),
+            grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(out_warps),
+        )(q, k, gam)
+        o, sT = pl.pallas_call(
+            functools.partial(_scan_output_kernel, N=N, BV=BV, group=group, dtype=dtype, prefetch=prefetch),
+            out_shape=(sds((B, Tp, Hv, dvp), o_dtype), sds((B, Hv, dkp, dvp), f32)),
+            grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
+        )(w, u, k, kscale, gam, s0, q, qf, intra)
+        o = o[:, :T, :, :dv]
+        if gate is not None:
+            o = _gated_norm_heads(o, OutputGate(*gate), Hv, dv)
+        return o, sT[:, :, :dk, :dv]
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype),
+        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, prefetch=prefetch),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=triton_params(scan_warps, num_stages=scan_stages),
+        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
     )(w, u, k, kscale, gam, s0)
     # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
     # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
@@ -524,3 +617,12 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
     )(q, k, gam, h_enter, v_new, *gate_args)
     return o[:, :T, :, :dv], sT[:, :, :dk, :dv]
+
+
+def _gated_norm_heads(o, gate: OutputGate, Hv: int, dv: int):
+    """The output kernel's gated norm in XLA, for the fused scan's o [B, T, Hv, dv] (in z's dtype): z whole
+    heads [B, T, Hv, dv] or columns z_offset .. z_offset + Hv * dv of a [B, T, C] array."""
+    z = gate.z
+    if z.ndim == 3:
+        z = z[..., gate.z_offset : gate.z_offset + Hv * dv].reshape(*o.shape)
+    return gated_norm(o.astype(f32), z, gate.weight, float(gate.eps), dv, z.dtype).astype(z.dtype)

@@ -43,13 +43,16 @@ def test_chunked_kernel_equals_scan(T):
     assert max_err(o1[0], o[1]) <= 1e-6 and max_err(s1[0], s[1]) <= 1e-6
 
 
-@pytest.mark.parametrize("block_v, block_v_out, warps", [(None, None, (2, 4, 4)), (32, 128, (2, 8, 4)),
-                                                          (128, 32, (8, 2, 8))])
-def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out, warps):
-    """dv = 128 as in the 0.8B: scan and output kernels split it into other tiles (the probe's settings)."""
+@pytest.mark.parametrize("block_v, block_v_out, warps, fused", [
+    (None, None, (2, 4, 4), True), (32, 128, (2, 8, 4), False), (128, 32, (8, 2, 8), False),
+    (128, None, (2, 4, 8), True)])
+def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out, warps, fused):
+    """dv = 128 as in the 0.8B: the scan (with the output in it, or apart) and output kernels split it into
+    other tiles (the probe's settings)."""
     q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=1, Hv=2, dk=32, dv=128, seed=7)
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
-    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, block_v_out=block_v_out, warps=warps)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, block_v_out=block_v_out, warps=warps,
+                              fuse_output=fused)
     assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
@@ -73,7 +76,47 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
     assert max_err(s_fused, s) == 0.0
 
 
-def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_output_in_the_scan_equals_the_three_kernel_form(prefetch):
+    """fuse_output=True (`_scan_output_kernel`: the output's products in the scan's loop, their
+    state-independent parts from `_output_parts_kernel`): plain o against the reference (partial last chunk,
+    GVA, dv 24 padded); the gated norm from a wider array and the in-place gates against the three-kernel
+    form; bf16 within the rounding of its products; strong decay finite. prefetch: the scan's per-chunk
+    scalars loaded a chunk ahead (both scan kernels)."""
+    q, k, v, g, beta, s0 = random_inputs(T=130, seed=230)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, fuse_output=True, prefetch=prefetch)
+    assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+    B, T, Hv, dv = 2, 70, 2, 32
+    q, k, v, _, _, s0 = random_inputs(B=B, T=T, Hk=1, Hv=Hv, dk=16, dv=dv, seed=31)
+    z = jax.random.normal(jax.random.PRNGKey(32), (B, T, Hv * dv))
+    weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(33), (dv,))
+    key = jax.random.PRNGKey(34)
+    b_raw, a_raw, before = (jax.random.normal(jax.random.fold_in(key, i), (B, T, n)) for i, n in enumerate((Hv, Hv, 8)))
+    source = jnp.concatenate([before, b_raw, a_raw, z], axis=-1)
+    gates = GateSource(source, 8, jnp.log(jnp.array([0.5, 4.0])), jnp.array([0.3, -1.0]), jnp.array([T, 41]))
+    gate = OutputGate(source, weight, 1e-6, z_offset=8 + 2 * Hv)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        args = [x.astype(dtype) for x in (q, k, v)] + [None, None, s0]
+        want, want_s = gdn_chunked_pallas(*args, gates=gates._replace(source=source.astype(dtype)),
+                                          gate=gate._replace(z=source.astype(dtype)), fuse_output=False,
+                                          prefetch=prefetch)
+        got, got_s = gdn_chunked_pallas(*args, gates=gates._replace(source=source.astype(dtype)),
+                                        gate=gate._replace(z=source.astype(dtype)), fuse_output=True, prefetch=prefetch)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape == (B, T, Hv, dv)
+        scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+        assert max_err(got, want) <= tol * scale, dtype
+        assert max_err(got_s, want_s) <= tol * max(1.0, float(jnp.abs(want_s).max())), dtype
+
+    q, k, v, g, beta, s0 = random_inputs(T=128, decay=(5.0, 30.0), seed=3)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, fuse_output=True, prefetch=prefetch)
+    o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    assert bool(jnp.isfinite(o).all()) and max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fuse_output", [True, False])
+def test_fused_norm_reads_the_gates_in_place_from_a_wider_array(fuse_output):
     """OutputGate(z_source, weight, eps, z_offset): value head h's gate at columns z_offset + h * dv of a
     [B, T, C] array (the fused projection's product, which the layer passes without slicing) gives the
     same output as the [B, T, Hv, dv] gates. T = 64 needs no padding, so the kernel reads the wide array
@@ -84,8 +127,9 @@ def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
     weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (32,))
     before, after = (jax.random.normal(jax.random.PRNGKey(s), (2, T, n)) for s, n in ((9, 40), (10, 8)))
     source = jnp.concatenate([before, z.reshape(2, T, -1), after], axis=-1)
-    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(z, weight, 1e-6))
-    got, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(source, weight, 1e-6, z_offset=40))
+    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(z, weight, 1e-6), fuse_output=fuse_output)
+    got, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(source, weight, 1e-6, z_offset=40),
+                                fuse_output=fuse_output)
     assert max_err(got, want) == 0.0
 
 

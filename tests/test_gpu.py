@@ -72,7 +72,8 @@ def test_pd_across_two_devices():
 def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls), and the
     chunked kernel on bf16 inputs (bf16 tensor cores, the solve's block combination on TF32) against the
-    reference on the same rounded inputs."""
+    reference on the same rounded inputs; the chunked kernel with the output in its scan (the default) and
+    as three kernels (fuse_output=False)."""
     import jax.numpy as jnp
 
     from jaxgdn.norms import gated_rms_norm
@@ -91,12 +92,17 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     with jax.default_matmul_precision("highest"):
         o_bf_ref, s_bf_ref = jax.jit(gdn_recurrent_checkpoints)(*(x.astype(jnp.float32) for x in bf), g, beta, s0)[:2]
-    o_bf, s_bf = jax.jit(gdn_chunked_pallas)(*bf, g, beta, s0)
-    assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2
+    for fused in (True, False):  # the output's products in the scan (the default), or the output kernel
+        o_bf, s_bf = jax.jit(functools.partial(gdn_chunked_pallas, fuse_output=fused))(*bf, g, beta, s0)
+        assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2, fused
+    o_3, s_3 = jax.jit(functools.partial(gdn_chunked_pallas, fuse_output=False))(q, k, v, g, beta, s0)
+    assert err(o_3, o_ref) <= 1e-4 and err(s_3, s_ref) <= 1e-4  # the three-kernel form
     z = jax.random.normal(jax.random.PRNGKey(T), o.shape)
     want = gated_rms_norm(o, z, jnp.ones(dv), 1e-6, jnp.float32)
-    got, _ = jax.jit(lambda *a: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6)))(q, k, v, g, beta, s0)
-    assert err(got, want) <= 1e-4  # the gated norm fused into the output kernel
+    for fused in (True, False):  # the gated norm in XLA after the fused scan, or in the output kernel
+        got, _ = jax.jit(lambda *a, fused=fused: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6),
+                                                                    fuse_output=fused))(q, k, v, g, beta, s0)
+        assert err(got, want) <= 1e-4, fused
     o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
