@@ -11,7 +11,7 @@
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
 #   probe, decode-1step times one decode step per launch, decode-sync the synchronous engine beside the
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
-#   shipped model's spec rows, scan-probes the chunked GDN scan settings beside fla, mlp-probe the MLP's forms
+#   shipped model's spec rows, scan-probes the chunked GDN scan settings and forms beside fla (limit $SCAN_PROBE_LIMIT s, default 330), mlp-probe the MLP's forms
 #   at 8192 tokens, decode-kernels a decode step's kernels named by their source, fold-ab the folded RMSNorm weights
 #   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); `python -m jaxgdn.bench table
 #   FILE` prints any of them)
@@ -91,7 +91,7 @@ for step in $steps; do
                "$dest/cold-products-cublas_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # Pallas' Mosaic GPU backend against the Triton lowering and XLA on a bandwidth-bound kernel
     mosaic)  timeout 120 python3 bench/probes/mosaic_gpu.py "$dest/mosaic-gpu-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
-    # r20: the chunked GDN's scan under launch settings beside fla's kernels; MLP forms at 8192 tokens
+    # r20: the chunked GDN's scan under launch settings beside fla's kernels (r35: its fused and prefetch forms); MLP forms at 8192 tokens
     scan-probes) timeout ${SCAN_PROBE_LIMIT:-330} python3 bench/probes/gdn_scan_configs.py "$dest/gdn-scan-configs-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r29: a CUDA graph's launch with its buffers moving or fixed (bench/probes/graph_launch.py), elementwise
     # and GEMM chains of 480 kernels

@@ -173,9 +173,11 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
     if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
         o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
     else:
-        # Where the chunked Pallas kernel runs, its output kernel applies the gated norm, so the fp32 output
-        # never goes to memory and back: 453 against 480 µs a layer at 1x8192 on the H200, kernel and norm
-        # (bench/results/gdn-output-norm-probe_gpu_20261201.json).
+        # Where the chunked Pallas kernel runs, the gated norm goes to it, so the fp32 output never goes to
+        # memory and back: 453 against 480 µs a layer at 1x8192 on the H200, kernel and norm, when its
+        # output kernel applied it (bench/results/gdn-output-norm-probe_gpu_20261201.json); since r35 the
+        # scan forms the output and stores it in z's dtype for the norm in XLA (361.0 against 390.0 µs a
+        # layer, bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
         fused_norm = runs_chunked_pallas(impl, T)
         gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
         # There, with fused weights, its prep kernel also computes g and beta from the product in place.

@@ -186,8 +186,9 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", g
     "pallas_recurrent", "pallas_pool" or a registered kernel).
 
     gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
-    in its output kernel; o is then the normed output in z's dtype. gates: a `gdn_pallas.GateSource` for
-    its prep kernel to compute g and beta from (pass g = beta = None). Only where `runs_chunked_pallas`."""
+    (after its scan; in its output kernel with fuse_output=False); o is then the normed output in z's
+    dtype. gates: a `gdn_pallas.GateSource` for its prep kernel to compute g and beta from (pass g = beta =
+    None). Only where `runs_chunked_pallas`."""
     if gate is not None or gates is not None:
         if not runs_chunked_pallas(impl, q.shape[1]):
             raise ValueError(f"gate= and gates= need the chunked Pallas kernel; impl {impl!r} does not run it at "
