@@ -17,7 +17,7 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
   norm). The scan is the only sequential part: per (row, head, dv block) it walks the chunks with the state
   in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'). The output is O = (e^γ Q) S_enter +
   (QKᵀ ⊙ Dec) V'. Default (r35): `_output_parts_kernel` forms QKᵀ ⊙ Dec and the query factor in parallel
-  and `_scan_output_kernel` adds the two state-dependent products inside the scan's loop, so the entering
+  and the fused `_scan_kernel` adds the two state-dependent products inside the scan's loop, so the entering
   states and V' never go to memory; the layer's gated RMS norm (`gate=`) then runs in XLA. The older
   form (`fuse_output=False`): `_scan_kernel` stores each chunk's entering state and V' and the parallel
   `_output_kernel` reads them back, applying the gated norm before its store. At H=16, d=128 the default
@@ -51,8 +51,13 @@ DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up t
 f32 = jnp.float32
 
 
+def _inv_norm(x):
+    """1 / |x| over the last axis, in fp32 (with _l2norm's epsilon)."""
+    return lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6)
+
+
 def _l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x * _inv_norm(x)[..., None]
 
 
 def _dot(a, b, dtype, tf32: bool = False):
@@ -314,7 +319,7 @@ def _prep_kernel(k_ref, v_ref, *refs, group, dtype, gates):
         gate_rows = [_source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, c * CHUNK + i * SUB, *gates)
                      for i in range(nsub)]
     ks = [k_ref[b, r, hk, :] for r in rows]  # raw [SUB, dk]
-    inv_norm = [lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in ks]  # [SUB], as _l2norm
+    inv_norm = [_inv_norm(x) for x in ks]  # [SUB]
     betas = [beta for _, beta in gate_rows]
     gam = []
     last = jnp.zeros((), f32)  # γ_last once all rows are in
@@ -346,26 +351,41 @@ def _source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, t0, T: int, b_of
     return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
 
 
-def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, h_ref, vn_ref, sT_ref, *, N, BV, group, dtype,
+def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, *refs, N, BV, group, dtype, fused: bool,
                  prefetch: bool = False):
     """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
     only sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the
     per-token key scale, applied to the [CHUNK, BV] V' (scaling the [CHUNK, dk] raw keys instead took 231 µs
-    against 163 at 1x8192: bench/results/gdn-split-prep-probe-r2_gpu_20261202.json).
-    Stores each chunk's entering state and V' for the parallel output kernel. Triton's loop pipelining
-    loads the next chunks' W, U and K ahead (`gdn_chunked_pallas` picks its depth)."""
+    against 163 at 1x8192: bench/results/gdn-split-prep-probe-r2_gpu_20261202.json). Triton's loop
+    pipelining loads the next chunks' W, U and K ahead (`gdn_chunked_pallas` picks its depth).
+
+    fused (refs q, qf, intra, o, sT): the output's products run in the loop while the state is in registers,
+    O = qf ⊙ (Q S_enter) + intra V' with qf and intra from `_output_parts_kernel` and Q raw, so the
+    entering states and V' never go to memory ([T/64, dk, dv] and [T, dv] a head, each written and read
+    once otherwise); they do not feed the state, so they can run beside the chain's. Otherwise (refs h, vn,
+    sT) it stores each chunk's entering state and V' for the parallel `_output_kernel`."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     cols = pl.ds(iv * BV, BV)
-    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N)
+    if fused:
+        q_ref, qf_ref, intra_ref, o_ref, sT_ref = refs
+    else:
+        h_ref, vn_ref, sT_ref = refs
+    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N, qf_ref=qf_ref if fused else None)
 
     def chunk(n, carry):
-        S, (kscale, g_last) = carry[0], (carry[1:] if prefetch else small(n))
+        S, scalars = carry[0], (carry[1:] if prefetch else small(n))
         ahead = small(n + 1) if prefetch else ()
+        kscale, g_last = scalars[:2]
         rows = pl.ds(n * CHUNK, CHUNK)
-        h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
+        if not fused:
+            h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
         v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
-        vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
+        if fused:
+            o = scalars[2][:, None] * _dot(q_ref[b, rows, hk, :], S, dtype)
+            o_ref[b, rows, h, cols] = (o + _dot(intra_ref[b, rows, h, :], v_new, dtype)).astype(o_ref.dtype)
+        else:
+            vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
         return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *ahead)
 
     start = (s0_ref[b, h, :, cols].astype(f32), *(small(0) if prefetch else ()))
@@ -383,7 +403,7 @@ def _chunk_scalars(kscale_ref, gam_ref, b, h, N, n, qf_ref=None):
 
 
 def _output_parts_kernel(q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, scale, dtype):
-    """One (row, value head, chunk): the state-independent parts of the output for `_scan_output_kernel`:
+    """One (row, value head, chunk): the state-independent parts of the output for the fused `_scan_kernel`:
     intra = (QKᵀ ⊙ Dec) [CHUNK, CHUNK] in dtype (L2-normed, scaled queries and keys, Dec_ij = e^{γ_i-γ_j} for
     i >= j, zero above) and the per-token query factor qf = scale e^γ / |q| [CHUNK] fp32. The product takes
     the raw q and k as loaded; the norms scale it after, in fp32."""
@@ -393,37 +413,12 @@ def _output_parts_kernel(q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, sca
     r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     q, k = q_ref[b, rows, hk, :], k_ref[b, rows, hk, :]
-    inv_q, inv_k = (lax.rsqrt(jnp.sum(jnp.square(x.astype(f32)), axis=-1) + 1e-6) for x in (q, k))  # as _l2norm
+    inv_q, inv_k = _inv_norm(q), _inv_norm(k)
     gam = gam_ref[b, rows, h]
     decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
     intra = _dot(q, k.T, dtype) * (scale * inv_q)[:, None] * inv_k[None, :] * decay
     intra_ref[b, rows, h, :] = intra.astype(intra_ref.dtype)
     qf_ref[b, rows, h] = scale * inv_q * jnp.exp(gam)
-
-
-def _scan_output_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, q_ref, qf_ref, intra_ref, o_ref, sT_ref, *,
-                        N, BV, group, dtype, prefetch: bool = False):
-    """`_scan_kernel` with the output kernel's products in its loop while the state is in registers:
-    O = qf ⊙ (Q S_enter) + intra V', qf and intra from `_output_parts_kernel`, Q raw. The entering states
-    and V' never go to memory ([T/64, dk, dv] and [T, dv] a head, each written and read once by the
-    three-kernel form). The output's products do not feed the state: they can run beside the chain's."""
-    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // group
-    cols = pl.ds(iv * BV, BV)
-
-    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N, qf_ref=qf_ref)
-
-    def chunk(n, carry):
-        S, (kscale, g_last, qf) = carry[0], (carry[1:] if prefetch else small(n))
-        ahead = small(n + 1) if prefetch else ()
-        rows = pl.ds(n * CHUNK, CHUNK)
-        v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
-        o = qf[:, None] * _dot(q_ref[b, rows, hk, :], S, dtype)
-        o_ref[b, rows, h, cols] = (o + _dot(intra_ref[b, rows, h, :], v_new, dtype)).astype(o_ref.dtype)
-        return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *ahead)
-
-    start = (s0_ref[b, h, :, cols].astype(f32), *(small(0) if prefetch else ()))
-    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, start)[0]
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
@@ -508,7 +503,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     to o, returned in z.dtype: `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)`. With
     fuse_output=False the output kernel applies it on whole heads before its store.
 
-    fuse_output (default): the output's products in the scan's loop (`_scan_output_kernel`) instead of the
+    fuse_output (default): the output's products in the scan's loop (the fused `_scan_kernel`) instead of the
     output kernel, which needs the entering states and V' through memory; the gated norm then runs in
     XLA (the output's dv tiles are the scan's). On the H200 at 1x8192, 16 heads of 128, the layer's call
     (in-place gates, the gated norm) took 361.0 µs of kernels against 390.0, the norm's XLA kernel 31.8
@@ -578,7 +573,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
             grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(out_warps),
         )(q, k, gam)
         o, sT = pl.pallas_call(
-            functools.partial(_scan_output_kernel, N=N, BV=BV, group=group, dtype=dtype, prefetch=prefetch),
+            functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, fused=True, prefetch=prefetch),
             out_shape=(sds((B, Tp, Hv, dvp), o_dtype), sds((B, Hv, dkp, dvp), f32)),
             grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
         )(w, u, k, kscale, gam, s0, q, qf, intra)
@@ -587,7 +582,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
             o = _gated_norm_heads(o, OutputGate(*gate), Hv, dv)
         return o, sT[:, :, :dk, :dv]
     h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, prefetch=prefetch),
+        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, fused=False, prefetch=prefetch),
         out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
         grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
     )(w, u, k, kscale, gam, s0)

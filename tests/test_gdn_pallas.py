@@ -78,7 +78,7 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_output_in_the_scan_equals_the_three_kernel_form(prefetch):
-    """fuse_output=True (`_scan_output_kernel`: the output's products in the scan's loop, their
+    """fuse_output=True (the fused `_scan_kernel`: the output's products in the scan's loop, their
     state-independent parts from `_output_parts_kernel`): plain o against the reference (partial last chunk,
     GVA, dv 24 padded); the gated norm from a wider array and the in-place gates against the three-kernel
     form; bf16 within the rounding of its products; strong decay finite. prefetch: the scan's per-chunk
