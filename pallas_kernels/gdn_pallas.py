@@ -563,9 +563,9 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
     scan_params = triton_params(scan_warps, num_stages=scan_stages)
+    if gate is not None and out_dtype is not None:
+        raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
     if fuse_output:
-        if gate is not None and out_dtype is not None:
-            raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
         o_dtype = gate[0].dtype if gate is not None else (out_dtype or f32)
         intra, qf = pl.pallas_call(
             functools.partial(_output_parts_kernel, group=group, scale=dk**-0.5, dtype=dtype),
@@ -593,8 +593,6 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     norm, gate_args = None, ()
     if gate is None:
         out_dtype = out_dtype or f32
-    elif out_dtype is not None:
-        raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
     else:  # the norm reads whole heads: one dv tile
         gate = OutputGate(*gate)
         z, z_offset, z_stride = gate.z, gate.z_offset, dv
