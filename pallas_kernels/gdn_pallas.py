@@ -48,6 +48,10 @@ from .common import interpret_default, triton_params
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
 DEEP_PIPELINE_MAX_PROGRAMS = 128  # the scan's loop pipelines 3 stages deep up to this many programs (<= one per SM)
+# Shared memory a Triton program may hold on the H100/H200 (227 KiB, the opt-in maximum per block), less 16 KiB
+# for the compiler's own scratch (layout conversions: the fused fp32 scan at dk=dv=128 asked 8 KiB beside
+# its pipeline buffers).
+SCAN_SHARED_MEMORY_BUDGET = 232448 - 16384
 f32 = jnp.float32
 
 
@@ -392,6 +396,19 @@ def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, *refs, N, BV,
     sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, start)[0]
 
 
+def scan_pipeline_depth(stages: int, dk: int, BV: int, itemsize: int, fused: bool) -> int:
+    """The scan's pipelining depth: `stages`, lowered until its buffers fit SCAN_SHARED_MEMORY_BUDGET.
+
+    Triton keeps stages - 1 chunks of the loop's tile loads in shared memory: W and K [CHUNK, dk] and U
+    [CHUNK, BV], and for the fused scan Q [CHUNK, dk] and intra [CHUNK, CHUNK] too, all `itemsize` bytes. fp32
+    inputs at dk = 128 and 3 stages ask 2 x 116 KiB in the fused scan, past the H200's 227 KiB
+    ("Shared memory size limit exceeded: requested 245760, available 232448", r36); bf16 asks half."""
+    per_chunk = CHUNK * (2 * dk + BV + ((dk + CHUNK) if fused else 0)) * itemsize
+    while stages > 1 and (stages - 1) * per_chunk > SCAN_SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return stages
+
+
 def _chunk_scalars(kscale_ref, gam_ref, b, h, N, n, qf_ref=None):
     """The scan's per-chunk loads that feed no product operand directly: the key scale [CHUNK] and γ_last
     (and the fused output's query factor [CHUNK]) of chunk min(n, N - 1). Triton's pipelining leaves them in
@@ -516,7 +533,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py, gdn_scan_configs.py): block_v, block_v_out the
     dv tiles of the scan and output kernels; warps per (prep, scan, output or output-parts) kernel;
     scan_stages Triton's pipelining depth of the scan's chunk loop (default: 3 when the scan has at most
-    one program per SM, else 2). The prep kernel
+    one program per SM, else 2; either lowered to what fits the shared memory, `scan_pipeline_depth`). The prep kernel
     runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
     combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
     prep_warps, scan_warps, out_warps = warps
@@ -562,6 +579,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         # eight rows of 1024 (dv tile 64, 256 programs) 74 µs on 2 stages against 88 on 3
         # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
+    scan_stages = scan_pipeline_depth(scan_stages, dkp, BV, jnp.dtype(dtype).itemsize, fuse_output)
     scan_params = triton_params(scan_warps, num_stages=scan_stages)
     if gate is not None and out_dtype is not None:
         raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")

@@ -1,5 +1,7 @@
 """Pallas GDN kernels (interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the scan reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,6 +271,33 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
                                                            flag, flag, interpret=False)
     text = jax.jit(fn).trace(bf(q), bf(k), bf(v), g, beta, s0).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+def test_scan_pipeline_depth_fits_the_shared_memory():
+    """fp32 inputs at dk = 128: the fused scan's 3-stage pipeline asked 240 KiB of the H200's 227 KiB and did
+    not compile (r36); the depth is lowered to 2 there, kept for bf16 and for the unfused scan, and the
+    lowered call carries it."""
+    from pallas_kernels.gdn_pallas import SCAN_SHARED_MEMORY_BUDGET, scan_pipeline_depth
+
+    assert scan_pipeline_depth(3, 128, 16, 4, fused=True) == 2
+    assert scan_pipeline_depth(3, 128, 16, 2, fused=True) == 3
+    assert scan_pipeline_depth(3, 128, 16, 4, fused=False) == 3
+    assert scan_pipeline_depth(2, 128, 64, 2, fused=True) == 2
+    assert scan_pipeline_depth(3, 1024, 128, 4, fused=True) == 1  # nothing fits: no pipelining
+    for stages in (1, 2, 3):  # whatever it returns fits, or is the unpipelined loop
+        for dk, bv, size, fused in [(128, 16, 4, True), (256, 64, 4, True), (128, 128, 2, False)]:
+            d = scan_pipeline_depth(stages, dk, bv, size, fused)
+            assert 1 <= d <= stages
+            assert d == 1 or (d - 1) * 64 * (2 * dk + bv + ((dk + 64) if fused else 0)) * size <= SCAN_SHARED_MEMORY_BUDGET
+    q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=4, dk=128, dv=128)
+
+    def scan_stages(dtype):
+        fn = lambda *a: gdn_chunked_pallas(*a, interpret=False, scan_stages=3)  # noqa: E731
+        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, s0)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return {int(n) for n in re.findall(r"num_stages = (\d+)", text)} - {1}  # the other kernels run 1
+
+    assert scan_stages(jnp.float32) == {2} and scan_stages(jnp.bfloat16) == {3}
 
 
 def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, **options):

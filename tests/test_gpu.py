@@ -86,7 +86,7 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     with jax.default_matmul_precision("highest"):
         o_ref, s_ref, states_ref = jax.jit(gdn_recurrent_checkpoints)(q, k, v, g, beta, s0)
     err = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
-    for stages in (2, 3):  # the scan's two pipeline depths (large and small grids)
+    for stages in (2, 3):  # the scan's two pipeline depths (large and small grids; fp32 at dk=128 fits 2 only)
         o, s = jax.jit(functools.partial(gdn_chunked_pallas, scan_stages=stages))(q, k, v, g, beta, s0)
         assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4, stages
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
