@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_gpu_*.json, as one script for the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
+#   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-gdn|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
 #                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab ...]
@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-rest kernels decode prefill spec pd startup}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn tests-rest kernels decode prefill spec pd startup}
 rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from or library_gemms or swiglu)"
 for step in $steps; do
   case $step in
@@ -43,9 +43,17 @@ for step in $steps; do
     # (its two large shapes took 100 and 57 s). r27: with the pool kernel's tests the half ran past 560 s at
     # the prompt conv test, so the sampled-MTP engine test and the conv and KV-write kernels are tests-rest
     # (with the prefill q/k/v kernel, the in-place gates and, since r33, the library-GEMM prompt program).
+    # r37: the GDN kernel test alone took 411 s (three shapes: 206, 131, 75 s; both chunked forms, both scan
+    # depths, fp32 and bf16), so it is the step tests-gdn, one pytest per shape (a cut run keeps the others')
     tests-kernels) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
-               -k "not pd_ and not four_steps and not $rest_tests" > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
+               -k "not pd_ and not four_steps and not compiled_equal_reference and not $rest_tests" \
+               > "$dest/gpu-tests-kernels_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-kernels_$stamp.txt" ;;
+    tests-gdn) for s in shape0 shape1 shape2; do
+               timeout 280 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "compiled_equal_reference and $s" \
+                 > "$dest/gpu-tests-gdn-$s""_$stamp.txt" 2>&1
+               grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-gdn-$s""_$stamp.txt"
+             done ;;
     tests-rest) timeout 560 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py \
                -k "$rest_tests" > "$dest/gpu-tests-rest_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-rest_$stamp.txt" ;;
