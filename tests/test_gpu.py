@@ -426,18 +426,26 @@ def test_swiglu_kernel_compiled_equals_the_rounded_products_silu(m, k, width):
 
 def test_model_runs_the_swiglu_kernel_at_prompt_sizes_compiled(monkeypatch):
     """With SWIGLU_KERNEL_MIN_TOKENS lowered, a bf16 prompt of 512 tokens through the serving layout runs every
-    MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program), and the logits
-    stay those of the XLA form within bf16 noise, their argmax almost everywhere."""
+    MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program), and its logits are
+    as close to the fp32 forward of the same weights as the XLA form's are (RMS error within 1.25x), their
+    argmax that of the XLA form almost everywhere. Measured against fp32, not against the XLA form: the two bf16
+    forms differ by one SiLU rounding, which 4 layers of random weights carry to a max logit difference of
+    ~0.4 against a scale of 5 (r37's failure of the former max-difference check), while their RMS errors
+    against fp32 are 0.041 (XLA) and 0.040 (kernel) and a kernel with gate and up swapped is ~1.0 (the kernel's
+    rounding emulated on the CPU)."""
     import jax.numpy as jnp
 
     from jaxgdn import mlp, model
-    from jaxgdn.params import fold_norms
+    from jaxgdn.params import cast_params, fold_norms
 
     cfg = small_config(hidden_size=128, intermediate_size=256)
-    params = fold_norms(init_random_params(cfg, seed=9, dtype=jnp.bfloat16))
+    bf16_params = init_random_params(cfg, seed=9, dtype=jnp.bfloat16)
+    params = fold_norms(bf16_params)
     ids = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (1, 512)), jnp.int32)
     run = jax.jit(lambda p, i: model.forward(p, cfg, i)[0])
 
+    with jax.default_matmul_precision("highest"):  # not TF32: the reference must be well under bf16's noise
+        fp32_logits = np.asarray(run(fold_norms(cast_params(cfg, bf16_params, jnp.float32)), ids))
     xla_logits = np.asarray(run(params, ids).astype(jnp.float32))
     assert "mosaic" not in run.lower(params, ids).as_text().lower()
     monkeypatch.setattr(mlp, "SWIGLU_KERNEL_MIN_TOKENS", 256)
@@ -445,6 +453,9 @@ def test_model_runs_the_swiglu_kernel_at_prompt_sizes_compiled(monkeypatch):
     text = run.lower(params, ids).as_text().lower()
     assert text.count("mosaic_gpu") >= cfg.num_hidden_layers, text.count("mosaic_gpu")
     kernel_logits = np.asarray(run(params, ids).astype(jnp.float32))
-    scale = float(np.abs(xla_logits).max())
-    assert float(np.abs(kernel_logits - xla_logits).max()) < 0.05 * scale
+
+    def rms_error(logits):
+        return float(np.sqrt(np.mean((logits - fp32_logits) ** 2)))
+
+    assert rms_error(kernel_logits) <= 1.25 * rms_error(xla_logits), (rms_error(kernel_logits), rms_error(xla_logits))
     assert (kernel_logits.argmax(-1) == xla_logits.argmax(-1)).mean() > 0.95
