@@ -35,6 +35,22 @@ def _swiglu_min_tokens_from_env() -> int | None:
 SWIGLU_KERNEL_MIN_TOKENS = _swiglu_min_tokens_from_env()  # None: never
 
 
+# Decode-sized steps of 64 rows (batch 64) run the kernel's small form (`swiglu_mosaic.swiglu_product_small`:
+# no persistent grid, one 64-row tile a CTA): 6.7 us for the 0.8B's gate/up product and SiLU * up at 64 rows
+# against 9.3 for XLA's product + pass, cold (bench/results/swiglu-small-probe_gpu_20261204.json); the batch-64
+# decode step 1.716 against 1.777 ms, then on / off / on 1.740 / 1.782 / 1.743 (device 1.799 / 1.834 / 1.797;
+# decode-swiglu-small-{on,off}_gpu_20261204.json, then -on-b1, -off-b, -on-b2). `$JAXGDN_SWIGLU_SMALL`
+# ('on', the default, or 'off'; read once at import) switches it.
+def _swiglu_small_from_env() -> bool:
+    text = os.environ.get("JAXGDN_SWIGLU_SMALL", "on").strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(f"$JAXGDN_SWIGLU_SMALL: expected 'on' or 'off', got {text!r}")
+    return text == "on"
+
+
+SWIGLU_SMALL_KERNEL = _swiglu_small_from_env()
+
+
 def linear(x, w):
     """x: [..., in] (or a DeferredNorm standing for it), w: [out, in] (Hugging Face layout) -> [..., out]."""
     if isinstance(x, DeferredNorm):
@@ -65,22 +81,28 @@ def split_outputs(y, sizes: tuple[int, ...]):
     return tuple(jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1))
 
 
-def use_swiglu_kernel(p, x) -> bool:
-    """Whether `gated_product(p, x)` runs the fused kernel: fused gate/up weights, at least
-    SWIGLU_KERNEL_MIN_TOKENS tokens (None: never) in whole tiles, a Hopper GPU."""
-    tokens = int(np.prod(x.shape[:-1]))
+def swiglu_kernel_for(p, x):
+    """The fused kernel `gated_product(p, x)` runs, or None for the XLA form. Needs fused gate/up weights in
+    x's dtype and a Hopper GPU; then the large form from SWIGLU_KERNEL_MIN_TOKENS tokens (None: never) in whole
+    tiles, the small form (SWIGLU_SMALL_KERNEL) at the decode sizes it takes."""
+    if p.fused is None or p.fused.dtype != x.dtype or not swiglu_mosaic.kernel_available():
+        return None
+    tokens, k, width = int(np.prod(x.shape[:-1])), x.shape[-1], p.down_proj.shape[1]
     min_tokens = SWIGLU_KERNEL_MIN_TOKENS
-    return (p.fused is not None and min_tokens is not None and tokens >= min_tokens
-            and swiglu_mosaic.kernel_available() and p.fused.dtype == x.dtype
-            and swiglu_mosaic.supported(tokens, x.shape[-1], p.down_proj.shape[1], x.dtype))
+    if min_tokens is not None and tokens >= min_tokens and swiglu_mosaic.supported(tokens, k, width, x.dtype):
+        return swiglu_mosaic.swiglu_product
+    if SWIGLU_SMALL_KERNEL and swiglu_mosaic.supported_small(tokens, k, width, x.dtype):
+        return swiglu_mosaic.swiglu_product_small
+    return None
 
 
 def gated_product(p, x):
     """silu(gate(x)) * up(x) [..., I]; p: MLPParams; x: [..., H] (or a DeferredNorm standing for it)."""
     width = p.down_proj.shape[1]
-    if use_swiglu_kernel(p, x):
+    kernel = swiglu_kernel_for(p, x)
+    if kernel is not None:
         rows = x.rows() if isinstance(x, DeferredNorm) else x
-        y = swiglu_mosaic.swiglu_product(rows.reshape(-1, rows.shape[-1]), p.fused)
+        y = kernel(rows.reshape(-1, rows.shape[-1]), p.fused)
         return y.reshape(*rows.shape[:-1], width)
     gate, up = project(x, p, (width, width))  # gate_proj, up_proj
     return jax.nn.silu(gate) * up

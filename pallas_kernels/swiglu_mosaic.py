@@ -16,6 +16,9 @@ tile by TMA multicast) walks the (M / 2tm) x (I / tn) output tiles; in each, a m
 accumulators for gate and up. The products round to x's dtype before the SiLU, as the XLA
 form's bf16 product outputs do, so only the SiLU's own rounding differs from it.
 
+Decode steps of 64 rows take `swiglu_product_small` instead (`SmallTiles`): a plain grid of one CTA per 64-row
+tile and 32 output columns, no warp specialization, the tiles streamed by `emit_pipeline`'s TMA loads.
+
 GPU only (Mosaic GPU has no CPU lowering); `supported` says when a shape fits, else callers keep the XLA form.
 """
 
@@ -147,6 +150,77 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, tiles: SwigluTiles, width: int):
                                            w_gmem.at[pl.ds(width + ni * tn, tn)], allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallTiles:
+    """The decode-sized form (M a multiple of 64, at most max_rows): tn output columns (of gate and of up) a
+    CTA, tk the reduction tile, stages TMA loads in flight. tn = 32 gives the 0.8B's 3584 columns 112 CTAs;
+    from bench/results/skinny-mosaic-probe-r39 (the plain product at M = 64: 128-deep tiles on 3 stages won).
+    max_rows 64: at 128 rows the two row tiles each stream the weights and the form lost to XLA's product + pass,
+    11.2 against 10.2 us alone, 2.655 against 2.610 ms a batch-128 decode step (bench/results/
+    swiglu-small-probe_gpu_20261204.json, decode-swiglu-small-{on,off}); at 64 rows 6.7 against 9.3 us."""
+
+    tn: int = 32
+    tk: int = 128
+    stages: int = 4
+    max_rows: int = 64
+    approx_math: bool = True
+
+
+SMALL_TILES = SmallTiles()
+
+
+def supported_small(m: int, k: int, width: int, dtype, tiles: SmallTiles = SMALL_TILES) -> bool:
+    """Whether swiglu_product_small runs [m, k] x [2 width, k] in dtype (m in whole 64-row tiles)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and m % 64 == 0 and 0 < m <= tiles.max_rows and width % tiles.tn == 0 and k % tiles.tk == 0)
+
+
+def _small_kernel(x_gmem, w_gmem, out_gmem, *, tiles: SmallTiles, width: int):
+    """One CTA per (64-row tile, tn columns): the x rows and the gate and up rows of its columns stream through
+    shared memory; two [64, tn] fp32 accumulators; SiLU(gate) * up stored. The row tile is the grid's minor
+    axis, so the CTAs reading the same weight columns run together and share them through L2."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    k = x_gmem.shape[1]
+    tn, tk, dtype = tiles.tn, tiles.tk, x_gmem.dtype
+    spec = lambda rows: plgpu.BlockSpec((rows, tk), lambda kk: (0, kk), transforms=_transforms(tk, dtype))  # noqa: E731
+
+    @functools.partial(pl.run_scoped, acc_gate=plgpu.ACC((64, tn), f32), acc_up=plgpu.ACC((64, tn), f32),
+                       out_smem=plgpu.SMEM((64, tn), out_gmem.dtype))
+    def _scope(acc_gate, acc_up, out_smem):
+        def step(_, x_smem, gate_smem, up_smem):
+            plgpu.wgmma(acc_gate, x_smem, plgpu.transpose_ref(gate_smem, (1, 0)))
+            plgpu.wgmma(acc_up, x_smem, plgpu.transpose_ref(up_smem, (1, 0)))
+            plgpu.wgmma_wait(0)  # the tiles' slot is released when the step returns
+
+        plgpu.emit_pipeline(step, grid=(k // tk,), in_specs=[spec(64), spec(tn), spec(tn)],
+                            max_concurrent_steps=tiles.stages)(
+            x_gmem.at[pl.ds(mi * 64, 64)], w_gmem.at[pl.ds(ni * tn, tn)], w_gmem.at[pl.ds(width + ni * tn, tn)])
+        gate = acc_gate[...].astype(dtype).astype(f32)  # rounded as the XLA form's bf16 products are
+        up = acc_up[...].astype(dtype).astype(f32)
+        out_smem[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(out_gmem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(mi * 64, 64), pl.ds(ni * tn, tn)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def swiglu_product_small(x, w, tiles: SmallTiles = SMALL_TILES):
+    """`swiglu_product` for decode-sized x [M, K] (M a multiple of 64, at most tiles.max_rows) -> [M, I]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    width = w.shape[0] // 2
+    if w.shape != (2 * width, k) or w.dtype != x.dtype or not supported_small(m, k, width, x.dtype, tiles):
+        raise ValueError(f"swiglu_product_small: x {x.shape} {x.dtype}, w {w.shape} {w.dtype} not whole {tiles}")
+    call = plgpu.kernel(
+        functools.partial(_small_kernel, tiles=tiles, width=width),
+        out_type=jax.ShapeDtypeStruct((m, width), x.dtype), grid=(m // 64, width // tiles.tn), grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             approx_math=tiles.approx_math))
+    return call(x, w)
 
 
 def swiglu_product(x, w, tiles: SwigluTiles = DEFAULT_TILES, num_sms: int | None = None):

@@ -138,12 +138,17 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     for m, k, width, dtype in [(4160, 1024, 3584, jnp.bfloat16), (4096, 1000, 3584, jnp.bfloat16),
                                (4096, 1024, 3600, jnp.bfloat16), (4096, 1024, 3584, jnp.float32)]:
         assert not sm.supported(m, k, width, dtype)
+    assert sm.supported_small(64, 1024, 3584, jnp.bfloat16)
+    for m, k, width, dtype in [(32, 1024, 3584, jnp.bfloat16), (128, 1024, 3584, jnp.bfloat16),
+                               (64, 1000, 3584, jnp.bfloat16), (64, 1024, 3600, jnp.bfloat16),
+                               (64, 1024, 3584, jnp.float32)]:
+        assert not sm.supported_small(m, k, width, dtype)
     assert not sm.kernel_available()  # the CPU suite
     kx, kw = jax.random.split(jax.random.PRNGKey(3))
     x = jax.random.normal(kx, (mlp.SWIGLU_KERNEL_MIN_TOKENS, 64), jnp.bfloat16)
     w = (jax.random.normal(kw, (256, 64)) * 0.1).astype(jnp.bfloat16)
     p = MLPParams(None, None, jnp.zeros((64, 128), jnp.bfloat16), fused=w)
-    assert not mlp.use_swiglu_kernel(p, x)
+    assert mlp.swiglu_kernel_for(p, x) is None
     gate, up = jnp.split(x @ w.T, 2, axis=-1)
     np.testing.assert_array_equal(np.asarray(mlp.gated_product(p, x)), np.asarray(jax.nn.silu(gate) * up))
     # $JAXGDN_SWIGLU_MIN_TOKENS, read at import: a count, 'off' (never) or unset (the default); else an error
@@ -155,6 +160,15 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
         mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", "4k")
         with pytest.raises(ValueError, match="JAXGDN_SWIGLU_MIN_TOKENS"):
             mlp._swiglu_min_tokens_from_env()
+    # $JAXGDN_SWIGLU_SMALL: on (the default) / off, else an error
+    for text, want in [("on", True), (" OFF", False), ("", True)]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("JAXGDN_SWIGLU_SMALL", text) if text else mp.delenv("JAXGDN_SWIGLU_SMALL", raising=False)
+            assert mlp._swiglu_small_from_env() is want
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXGDN_SWIGLU_SMALL", "1")
+        with pytest.raises(ValueError, match="JAXGDN_SWIGLU_SMALL"):
+            mlp._swiglu_small_from_env()
     # a DeferredNorm's rows are the normed activation the products read
     normed = DeferredNorm(x, inverse_rms(x, 1e-6))
     np.testing.assert_array_equal(np.asarray(normed.rows() @ w.T), np.asarray(normed.product(w)))

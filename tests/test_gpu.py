@@ -404,19 +404,23 @@ def test_prompt_qkv_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(R, Q
     test_kernel_matches_the_xla_chain("real", R, Q, jnp.dtype(dtype).type)
 
 
-@pytest.mark.parametrize("m, k, width", [(256, 64, 128), (512, 192, 384), (4096, 1024, 3584)])
-def test_swiglu_kernel_compiled_equals_the_rounded_products_silu(m, k, width):
-    """The Mosaic GPU gate/up kernel against silu(g) * u in fp32 from the products rounded to bf16 (what it
-    rounds before its epilogue), within a bf16 rounding of the output; 0.8B widths last."""
+@pytest.mark.parametrize("form, m, k, width", [
+    ("large", 256, 64, 128), ("large", 512, 192, 384), ("large", 4096, 1024, 3584),
+    ("small", 64, 256, 64), ("small", 64, 512, 384), ("small", 64, 1024, 3584)])
+def test_swiglu_kernel_compiled_equals_the_rounded_products_silu(form, m, k, width):
+    """The Mosaic GPU gate/up kernel (the persistent large form and the decode-sized small one) against
+    silu(g) * u in fp32 from the products rounded to bf16 (what it rounds before its epilogue), within a bf16
+    rounding of the output; 0.8B widths last."""
     import jax.numpy as jnp
 
     from pallas_kernels import swiglu_mosaic
 
     assert swiglu_mosaic.kernel_available()
+    product = swiglu_mosaic.swiglu_product if form == "large" else swiglu_mosaic.swiglu_product_small
     kx, kw = jax.random.split(jax.random.PRNGKey(m + k))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (2 * width, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
-    y = np.asarray(jax.jit(swiglu_mosaic.swiglu_product)(x, w).astype(jnp.float32))
+    y = np.asarray(jax.jit(product)(x, w).astype(jnp.float32))
     gu = jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32, precision="highest")
     g, u = np.split(np.asarray(gu.astype(jnp.bfloat16).astype(jnp.float32)), 2, axis=-1)
     ref = g / (1 + np.exp(-g)) * u
