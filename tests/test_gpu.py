@@ -428,9 +428,11 @@ def test_swiglu_kernel_compiled_equals_the_rounded_products_silu(form, m, k, wid
     np.testing.assert_allclose(y, ref, rtol=2**-6, atol=2**-7 * float(np.abs(ref).max()))
 
 
-def test_model_runs_the_swiglu_kernel_at_prompt_sizes_compiled(monkeypatch):
+@pytest.mark.parametrize("form", ["large", "small"])
+def test_model_runs_the_swiglu_kernel_compiled(monkeypatch, form):
     """With SWIGLU_KERNEL_MIN_TOKENS lowered, a bf16 prompt of 512 tokens through the serving layout runs every
-    MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program), and its logits are
+    MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program; "small": 64 tokens,
+    the decode-sized form, SWIGLU_SMALL_KERNEL off for the XLA run), and its logits are
     as close to the fp32 forward of the same weights as the XLA form's are (RMS error within 1.25x), their
     argmax that of the XLA form almost everywhere. Measured against fp32, not against the XLA form: the two bf16
     forms differ by one SiLU rounding, which 4 layers of random weights carry to a max logit difference of
@@ -445,14 +447,19 @@ def test_model_runs_the_swiglu_kernel_at_prompt_sizes_compiled(monkeypatch):
     cfg = small_config(hidden_size=128, intermediate_size=256)
     bf16_params = init_random_params(cfg, seed=9, dtype=jnp.bfloat16)
     params = fold_norms(bf16_params)
-    ids = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (1, 512)), jnp.int32)
+    tokens = 512 if form == "large" else 64
+    ids = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (1, tokens)), jnp.int32)
+    monkeypatch.setattr(mlp, "SWIGLU_SMALL_KERNEL", False)
     run = jax.jit(lambda p, i: model.forward(p, cfg, i)[0])
 
     with jax.default_matmul_precision("highest"):  # not TF32: the reference must be well under bf16's noise
         fp32_logits = np.asarray(run(fold_norms(cast_params(cfg, bf16_params, jnp.float32)), ids))
     xla_logits = np.asarray(run(params, ids).astype(jnp.float32))
     assert "mosaic" not in run.lower(params, ids).as_text().lower()
-    monkeypatch.setattr(mlp, "SWIGLU_KERNEL_MIN_TOKENS", 256)
+    if form == "large":
+        monkeypatch.setattr(mlp, "SWIGLU_KERNEL_MIN_TOKENS", 256)
+    else:
+        monkeypatch.setattr(mlp, "SWIGLU_SMALL_KERNEL", True)
     run = jax.jit(lambda p, i: model.forward(p, cfg, i)[0])
     text = run.lower(params, ids).as_text().lower()
     assert text.count("mosaic_gpu") >= cfg.num_hidden_layers, text.count("mosaic_gpu")
