@@ -179,8 +179,8 @@ def supported_small(m: int, k: int, width: int, dtype, tiles: SmallTiles = SMALL
 
 def _small_kernel(x_gmem, w_gmem, out_gmem, *, tiles: SmallTiles, width: int):
     """One CTA per (64-row tile, tn columns): the x rows and the gate and up rows of its columns stream through
-    shared memory; two [64, tn] fp32 accumulators; SiLU(gate) * up stored. The row tile is the grid's minor
-    axis, so the CTAs reading the same weight columns run together and share them through L2."""
+    shared memory; two [64, tn] fp32 accumulators; SiLU(gate) * up stored. Each row tile streams all the weights
+    (why max_rows is one tile: at two, the second's reads did not come cheap from L2)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     mi, ni = lax.axis_index("m"), lax.axis_index("n")

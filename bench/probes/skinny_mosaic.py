@@ -34,16 +34,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from cold_products import cold_us  # noqa: E402  (bench/probes is on the path when run as a script)
 
 from jaxgdn.bench.common import environment  # noqa: E402
+from pallas_kernels import swiglu_mosaic  # noqa: E402
 
 f32 = jnp.float32
 SHAPES = ((8224, 1024), (7168, 1024), (1024, 3584), (1024, 2048), (5120, 1024))  # [N out, K in] of the 0.8B
-
-
-def _tile_transforms(minor_elems, dtype):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, *, swap, tile, tk, stages, k_split):
@@ -53,7 +47,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, swap, tile, tk, stages, k_split):
     mx, k = x_gmem.shape
     k_per = k // k_split
     dtype = x_gmem.dtype
-    transforms = _tile_transforms(tk, dtype)
+    transforms = swiglu_mosaic._transforms(tk, dtype)  # the swizzled tiling wgmma reads
     spec = lambda rows: plgpu.BlockSpec((rows, tk), lambda kk: (0, kk), transforms=transforms)  # noqa: E731
     x_part = x_gmem.at[:, pl.ds(ki * k_per, k_per)]
     w_part = w_gmem.at[pl.ds(ni * tile, tile), pl.ds(ki * k_per, k_per)]
@@ -109,8 +103,6 @@ CONFIGS_SMALL = ((True, 64, 64, 4, 1), (True, 64, 128, 4, 1), (True, 64, 64, 8, 
 def swiglu_rows(ms, key):
     """The MLP's fused gate/up product with SiLU(gate) * up at decode sizes: XLA's form (the product, then the
     pass) against `swiglu_mosaic.swiglu_product_small`, cold (16 distinct 0.8B weights chained)."""
-    from pallas_kernels import swiglu_mosaic
-
     width, k = 3584, 1024
     ws = [jax.random.normal(jax.random.fold_in(key, i), (2 * width, k), jnp.bfloat16) * 0.03 for i in range(16)]
 
