@@ -125,16 +125,17 @@ for step in $steps; do
                JAXGDN_SWIGLU_MIN_TOKENS=$min timeout 280 python3 -m jaxgdn.bench prefill --no-peer --profile /tmp/prof-swiglu-$v \
                  --out "$dest/prefill-swiglu-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
-    # r39: the gate/up kernel's decode-sized form (swiglu_mosaic.swiglu_product_small): its compiled test, the
-    # kernel alone against XLA's product + pass at 64 and 128 rows (cold weights), then the decode step at
-    # batches 64 and 128 with the form off, then on (one process each)
+    # r39: the gate/up kernel's decode-sized form (swiglu_mosaic.swiglu_product_small, 64-row steps only): its
+    # compiled test, the kernel alone against XLA's product + pass at 64 rows (cold weights), then the decode
+    # step at batch 64 with the form off, then on (one process each; r39's first runs also timed 128 rows, where
+    # the form lost and which it no longer takes)
     swiglu-small) timeout 120 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "swiglu_kernel_compiled and small" \
                > "$dest/gpu-tests-swiglu-small_$stamp.txt" 2>&1
              grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-swiglu-small_$stamp.txt"
-             PROBE_SWIGLU=1 timeout 80 python3 bench/probes/skinny_mosaic.py "$dest/swiglu-small-probe_gpu_$stamp.json" 64 128 \
+             PROBE_SWIGLU=1 timeout 80 python3 bench/probes/skinny_mosaic.py "$dest/swiglu-small-probe_gpu_$stamp.json" 64 \
                2>&1 | grep -v Warning
              for v in off on; do
-               JAXGDN_SWIGLU_SMALL=$v timeout 170 python3 -m jaxgdn.bench decode --no-peer --batch 64 128 \
+               JAXGDN_SWIGLU_SMALL=$v timeout 170 python3 -m jaxgdn.bench decode --no-peer --batch 64 \
                  --out "$dest/decode-swiglu-small-$v""_gpu_$stamp.json" 2>&1 | grep -v Warning
              done ;;
     skinny-probe) timeout 500 python3 bench/probes/skinny_mosaic.py "$dest/skinny-mosaic-probe_gpu_$stamp.json" 64 1 8 \

@@ -2,7 +2,7 @@
 the weight through shared memory with TMA and multiplies on wgmma, against XLA's choice, with cold weights.
 
     python bench/probes/skinny_mosaic.py OUT.json [M ...]      # on the H200 (PYTHONPATH=.); needs Mosaic GPU
-    PROBE_SWIGLU=1 python bench/probes/skinny_mosaic.py OUT.json 64 128   # the MLP's gate/up + SiLU * up only
+    PROBE_SWIGLU=1 python bench/probes/skinny_mosaic.py OUT.json 64   # the MLP's gate/up + SiLU * up only
 
 Why: inside a batch-64 decode step the trunk's weight products run at 0.9-2 TB/s (r30 inventory: gate/up 7.4 us
 for 14.7 MB, in_proj 9.0 for 16.8 MB), at batch 1 at ~2.4 TB/s, where the LM head's product reaches 4.3 TB/s;
