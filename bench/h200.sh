@@ -4,8 +4,8 @@
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-gdn|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
-#                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab|swiglu-small|skinny-probe|mixer-blocks|mixer-forms ...]
-#   (default: all but the thirty-one extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
+#                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab|swiglu-small|skinny-probe ...]
+#   (default: all but the twenty-nine extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
 #   (bench/probes/cold_products.py), gdn-probes the chunked GDN kernel forms, mosaic the Mosaic GPU backend
@@ -13,7 +13,7 @@
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
 #   shipped model's spec rows, scan-probes the chunked GDN scan settings and forms beside fla (limit $SCAN_PROBE_LIMIT s, default 330), mlp-probe the MLP's forms
 #   at 8192 tokens, decode-kernels a decode step's kernels named by their source, fold-ab the folded RMSNorm weights
-#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); swiglu-small r39's decode-sized form of it (test, alone, decode off/on), skinny-probe r39's Mosaic GPU decode-shaped products, mixer-blocks r40's GDN mixer on dv blocks (test, alone), mixer-forms its forms in the decode step; `python -m jaxgdn.bench table
+#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); swiglu-small r39's decode-sized form of it (test, alone, decode off/on), skinny-probe r39's Mosaic GPU decode-shaped products; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -170,19 +170,6 @@ for step in $steps; do
     prefill-attention-probe) timeout 300 python3 bench/probes/prefill_attention.py \
                "$dest/prefill-attention-probe_gpu_$stamp.json" 2>&1 | grep -v Warning ;;
     # r22: the one-kernel GDN mixer alone at the 0.8B widths against the unfused chain, 4/8/16 warps
-    # r40: the mixer updating a value head's state block_v columns at a time, compiled test, then alone at
-    # larger batches (PROBE_BATCHES) in the forms PROBE_FORMS
-    mixer-blocks) timeout 200 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "gdn_mixer_kernel_compiled" \
-               > "$dest/gpu-tests-mixer-blocks_$stamp.txt" 2>&1
-             grep -E "PASSED|FAILED|ERROR|passed|failed" "$dest/gpu-tests-mixer-blocks_$stamp.txt"
-             PROBE_FORMS=${PROBE_FORMS:-unfused mixer-w4 mixer-w4-bv64 mixer-w4-bv32 mixer-w8-bv64 mixer-w2-bv32} \
-               timeout 330 python3 bench/probes/gdn_mixer.py "$dest/gdn-mixer-blocks-probe_gpu_$stamp.json" \
-               ${PROBE_BATCHES:-16 32 64 128} 2>&1 | grep -v Warning ;;
-    # r40: the mixer forms in the decode step (FORMS, FORM_BATCHES), one process each
-    mixer-forms) for form in ${FORMS:-default mixer128-bv64-post mixer128-bv64-post-h}; do
-               timeout 200 python3 bench/probes/decode_forms.py $form "$dest/decode-forms-$form-r40_gpu_$stamp.json" \
-                 ${FORM_BATCHES:-32 64 128} 2>&1 | grep -v Warning
-             done ;;
     mixer-probe) timeout 300 python3 bench/probes/gdn_mixer.py "$dest/gdn-mixer-probe_gpu_$stamp.json" 1 8 64 2>&1 | grep -v Warning ;;
     # the chunked GDN's kernel forms: prep (gdn_prep.py), the gated norm fused into the output kernel
     gdn-probes) timeout 200 python3 bench/probes/gdn_output_norm.py "$dest/gdn-output-norm-probe_gpu_$stamp.json" 2>&1 | grep -v Warning

@@ -58,12 +58,11 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def linear_parts(x, w, post_scale: bool | None = None):
+def linear_parts(x, w):
     """`linear(x, w)` as (y, row_scale): for a post-scaled DeferredNorm y fp32 and its 1/rms [..., 1], whose
-    product in x's dtype is the consumer's to form (`DeferredNorm.product_parts`, which also says what
-    post_scale does); else (linear(x, w), None)."""
+    product in x's dtype is the consumer's to form (`DeferredNorm.product_parts`); else (linear(x, w), None)."""
     if isinstance(x, DeferredNorm):
-        return x.product_parts(w, post_scale)
+        return x.product_parts(w)
     return linear(x, w), None
 
 

@@ -214,24 +214,10 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 # chain's five kernels, but 48.8 at batch 64 against 41 for the chain's conv and pool kernels, which split dv
 # over more programs (bench/results/gdn-mixer-probe_gpu_20261202.json). In the model (device ms a step):
 # batch 8 1.097 against 1.130, batch 16 1.249 against 1.290, batch 1 even (decode-forms-*-probe_gpu_20261202.json).
+# Holding a [dk, 64] or [dk, 32] block of the state at a time (r40, commit afae672) did not make it pay above 16
+# rows: alone 46.3 us a layer at batch 64 against the chain's ~41; in the step, mixer up to 128 rows, batch 64
+# 1.763 against 1.717 ms (gdn-mixer-blocks-probe-r40, decode-forms-*-r40_gpu_20261204.json).
 MIXER_MAX_ROWS = 16
-# Steps of more rows than this update a value head's state MIXER_BLOCK_V columns at a time (`gdn_mixer_pooled`'s
-# block_v); smaller ones the whole [dk, dv] tile at once. None: always whole tiles.
-MIXER_WHOLE_TILE_MAX_ROWS = 16
-MIXER_BLOCK_V = 64
-# Whether the mixer reads the in_proj product of a folded norm post-scaled (fp32, the 1/rms applied in the
-# kernel) at every step size, saving the scale-and-cast kernel in front of the product; False: the rule by
-# size of `norms.DeferredNorm.product_parts`.
-MIXER_POST_SCALE = False
-# Whether the mixer issues its first state block's load before the conv (`gdn_mixer_pooled`'s hoist).
-MIXER_HOIST = False
-
-
-def mixer_block_v(rows: int, dv: int) -> int | None:
-    """The mixer's block_v for a step of `rows` rows (None: whole tiles)."""
-    if MIXER_WHOLE_TILE_MAX_ROWS is None or rows <= MIXER_WHOLE_TILE_MAX_ROWS:
-        return None
-    return min(MIXER_BLOCK_V, dv)
 
 
 def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
@@ -261,12 +247,10 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         return out, write_gdn_state(slots, view, new, checkpoints)
     offset = num_accepted[view.idx_mapping] - 1
     if use_mixer_kernel(p, cfg, h.shape[0], fused_decode):  # everything between the two products in one kernel
-        y, row_scale = linear_parts(h, p.fused, post_scale=MIXER_POST_SCALE or None)
+        y, row_scale = linear_parts(h, p.fused)
         out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
                                           slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
-                                          view.verify_path, view.num_valid, dtype=h.dtype,
-                                          block_v=mixer_block_v(h.shape[0], cfg.linear_value_head_dim),
-                                          hoist=MIXER_HOIST)
+                                          view.verify_path, view.num_valid, dtype=h.dtype)
         return linear(out, p.out_proj), GDNSlots(conv=conv, ssm=ssm)
     source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
     if conv_kernel_supports(cfg.conv_dim):  # the conv's window read, compute and write in one kernel

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from .common import call_on_product, product_rows
 from .conv_pallas import conv_silu_rows, store_windows
-from .gdn_pallas import _delta_step, gate_values, gated_norm_parts, pooled_kernel_supports
+from .gdn_pallas import _delta_step, gate_values, gated_norm, pooled_kernel_supports
 
 f32 = jnp.float32
 
@@ -46,7 +46,7 @@ def mixer_kernel_supports(dk: int, dv: int) -> bool:
     return pooled_kernel_supports(dk, dv) and dk * dv <= 128 * 128
 
 
-def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, BV, eps, scaled, hoist):
+def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, eps, scaled):
     b, hk = pl.program_id(0), pl.program_id(1)
     product, refs = product_rows(y_ref, refs, scaled, b)  # product(t, cols): the unfused path's bf16 product
     (w_ref, alog_ref, dtb_ref, normw_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _conv_in, _ssm_in,
@@ -70,44 +70,29 @@ def _mixer_kernel(y_ref, *refs, T, W, Kc, Hk, group, dk, dv, BV, eps, scaled, ho
         store_windows(conv_ref, slot, cols, full, Kc, T, n, verify)
         return outs
 
-    # The first state block's load goes out before the conv's loads and stores, so the two overlap.
-    first = ssm_ref[slot, start, hk * group, :, pl.ds(0, BV)] if hoist else None
     qs, ks = conv(hk * dk, dk), conv(Kd + hk * dk, dk)
-    for j in range(group):  # value heads hk*group + j
+    for j in range(group):  # value heads hk*group + j, one whole state tile at a time
         h = hk * group + j
-        gates = []
+        vs = conv(2 * Kd + h * dv, dv)
+        S = jnp.where(fresh, 0.0, ssm_ref[slot, start, h, :, :])
         for t in range(T):
             g, beta = gate_values(product(t, C + Hv * dv + h), product(t, C + Hv * dv + Hv + h), alog_ref[h],
                                   dtb_ref[h], dtype)
             real = t < n  # padded steps neither decay nor write
-            gates.append((jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)))
-        outs = [[] for _ in range(T)]  # outs[t]: the output row's [BV] parts, fp32
-        for lo in range(0, dv, BV):  # the state a [dk, BV] block at a time: fewer registers live at once
-            cols = pl.ds(lo, BV)
-            vs = conv(2 * Kd + h * dv + lo, BV)
-            S = first if (j == 0 and lo == 0 and hoist) else ssm_ref[slot, start, h, :, cols]
-            S = jnp.where(fresh, 0.0, S)
-            for t in range(T):
-                S, o = _delta_step(qs[t], ks[t], vs[t], *gates[t], dk**-0.5, S)
-                if t < W:  # verify rows keep the state after every window position: checkpoint t
-                    plt.store(ssm_ref.at[slot, jnp.int32(t), h, :, cols], S, mask=jnp.full(S.shape, verify))
-                outs[t].append(o)
-            plt.store(ssm_ref.at[slot, jnp.int32(0), h, :, cols], S, mask=jnp.full(S.shape, jnp.logical_not(verify)))
-        for t in range(T):  # the gated norm over the head's whole output row, written part by part
-            zs = [product(t, pl.ds(C + h * dv + lo, BV)) for lo in range(0, dv, BV)]
-            ws = [normw_ref[pl.ds(lo, BV)] for lo in range(0, dv, BV)]
-            for part, lo in zip(gated_norm_parts(outs[t], zs, ws, eps, dv, dtype), range(0, dv, BV)):
-                out_ref[b, jnp.int32(t), pl.ds(h * dv + lo, BV)] = part.astype(dtype)
+            S, o = _delta_step(qs[t], ks[t], vs[t], jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0),
+                               dk**-0.5, S)
+            if t < W:  # verify rows keep the state after every window position: checkpoint t
+                plt.store(ssm_ref.at[slot, jnp.int32(t), h, :, :], S, mask=jnp.full(S.shape, verify))
+            z = product(t, pl.ds(C + h * dv, dv))
+            out_ref[b, jnp.int32(t), pl.ds(h * dv, dv)] = gated_norm(o, z, normw_ref[:], eps, dv, dtype).astype(dtype)
+        plt.store(ssm_ref.at[slot, jnp.int32(0), h, :, :], S, mask=jnp.full(S.shape, jnp.logical_not(verify)))
 
 
 def gdn_mixer_pooled(y, row_scale, conv_weight, A_log, dt_bias, norm_weight, eps: float, conv_pool, ssm_pool, slots,
-                     start, fresh, verify, num_valid, dtype=None, interpret=None, num_warps: int = 4,
-                     block_v: int | None = None, hoist: bool = False):
+                     start, fresh, verify, num_valid, dtype=None, interpret=None, num_warps: int = 4):
     """The GDN mixer of short rows over the engine's pools in place; shapes and semantics in the module
     docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of row_scale).
-    Rows must use distinct slots (padding rows may share the null slot: what they write there is never read).
-    block_v: the columns of a value head's [dk, dv] state a program updates at a time (default dv, the whole
-    tile; a divisor of dv, >= 16)."""
+    Rows must use distinct slots (padding rows may share the null slot: what they write there is never read)."""
     B, T, _ = y.shape
     _, W, Hv, dk, dv = ssm_pool.shape
     C, Kc = conv_weight.shape[0], conv_weight.shape[-1]
@@ -115,12 +100,10 @@ def gdn_mixer_pooled(y, row_scale, conv_weight, A_log, dt_bias, norm_weight, eps
     assert mixer_kernel_supports(dk, dv) and C == 2 * Hk * dk + Hv * dv, (C, ssm_pool.shape)
     assert conv_pool.shape[2] == C and conv_pool.shape[1] >= Kc - 1 and y.shape[2] >= C + Hv * dv + 2 * Hv
     dtype = jnp.dtype(dtype or y.dtype)
-    BV = block_v or dv
-    assert dv % BV == 0 and BV >= 16, (dv, BV)
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
     scaled = row_scale is not None
-    kernel = functools.partial(_mixer_kernel, T=T, W=W, Kc=Kc, Hk=Hk, group=Hv // Hk, dk=dk, dv=dv, BV=BV,
-                               eps=float(eps), scaled=scaled, hoist=hoist)
+    kernel = functools.partial(_mixer_kernel, T=T, W=W, Kc=Kc, Hk=Hk, group=Hv // Hk, dk=dk, dv=dv, eps=float(eps),
+                               scaled=scaled)
     inputs = (conv_weight, A_log, dt_bias, norm_weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid))
     return call_on_product(kernel, y, row_scale, inputs, (conv_pool, ssm_pool),
                            jax.ShapeDtypeStruct((B, T, Hv * dv), dtype), (B, Hk), num_warps, interpret)

@@ -469,19 +469,10 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale
 def gated_norm(o, z, weight, eps: float, dv: int, dtype):
     """`norms.gated_rms_norm(o.astype(dtype), z, weight)` in a kernel, over o's last axis: o [..., BV] fp32
     (whole heads; padded columns zero, dv the real width), z [..., BV] the gate, weight [BV]. fp32 result."""
-    return gated_norm_parts([o], [z], [weight], eps, dv, dtype)[0]
-
-
-def gated_norm_parts(os, zs, weights, eps: float, dv: int, dtype):
-    """`gated_norm` of a head's row held as column blocks: os, zs, weights lists of matching [..., BV_i]
-    parts (their columns together the head's). Returns the fp32 result's parts."""
-    os = [o.astype(dtype).astype(f32) for o in os]  # the layer casts the core output to its activation dtype first
-    inv = lax.rsqrt(sum(jnp.sum(o * o, axis=-1, keepdims=True) for o in os) / dv + eps)
-    outs = []
-    for o, z, weight in zip(os, zs, weights):
-        z = z.astype(f32)
-        outs.append(weight.astype(f32) * (o * inv).astype(dtype).astype(f32) * (z * jax.nn.sigmoid(z)))
-    return outs
+    o = o.astype(dtype).astype(f32)  # the layer casts the core output to its activation dtype first
+    normed = (o * lax.rsqrt(jnp.sum(o * o, axis=-1, keepdims=True) / dv + eps)).astype(dtype).astype(f32)
+    z = z.astype(f32)
+    return weight.astype(f32) * normed * (z * jax.nn.sigmoid(z))
 
 
 class OutputGate(NamedTuple):

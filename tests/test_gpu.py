@@ -128,18 +128,13 @@ def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B):
 
 
 @pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])
-@pytest.mark.parametrize("block_v", [None, 64, 32])
-def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(monkeypatch, T, K, dtype, block_v):
-    """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128) against
-    the compiled unfused chain, each program holding a value head's whole state tile (block_v None) or
-    updating it block_v columns at a time; test_gdn_mixer.py runs the smaller cases (and, interpreted, on CPU)."""
+def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T, K, dtype):
+    """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128: one
+    whole state tile per program) against the compiled unfused chain; test_gdn_mixer.py runs the smaller
+    cases (and, interpreted, on CPU)."""
     import jax.numpy as jnp
 
-    from jaxgdn import paged_forward
     from test_gdn_mixer import assert_same_rows, mixer_case, run_rows
-
-    monkeypatch.setattr(paged_forward, "MIXER_WHOLE_TILE_MAX_ROWS", None if block_v is None else 0)
-    monkeypatch.setattr(paged_forward, "MIXER_BLOCK_V", block_v)
 
     dt = jnp.dtype(dtype)
     case = mixer_case(T, K, dt, seed=T, Hk=16, Hv=16, dk=128, dv=128)

@@ -18,10 +18,6 @@ FORM is one of
                r23's one kernel (EngineConfig.fused_decode_kernels=False turns off both)
     head-attention the decode attention kernel's per-query-head form for every step (r23-r24's rule) instead of
                r25's grouped, split form for steps of >= 16 rows or block tables of >= 256 keys
-    mixer<R>-bv<BV>[-post][-h]  the GDN mixer kernel for steps of up to R rows (`paged_forward.MIXER_MAX_ROWS`),
-               those of more than 16 rows updating each value head's state BV columns at a time; -post: its
-               in_proj product post-scaled at every size (`MIXER_POST_SCALE`); -h: the first state block's load
-               hoisted above the conv (`MIXER_HOIST`) (r40)
 Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
 the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
@@ -29,7 +25,6 @@ tiny model on CPU, as a check that the forms run) and writes one JSON row per ba
 """
 
 import json
-import re
 import sys
 
 import jax
@@ -61,19 +56,9 @@ def _product_form(form: str):
     return product if form in ("no-barrier", "bf16-out") else None
 
 
-def _mixer_form(form: str) -> bool:
-    """Set paged_forward's mixer rule from a `mixer<R>-bv<BV>[-post][-h]` form; False for other forms."""
-    m = re.fullmatch(r"mixer(\d+)-bv(\d+)(-post)?(-h)?", form)
-    if m is None:
-        return False
-    paged_forward.MIXER_MAX_ROWS, paged_forward.MIXER_BLOCK_V = int(m[1]), int(m[2])
-    paged_forward.MIXER_POST_SCALE, paged_forward.MIXER_HOIST = m[3] is not None, m[4] is not None
-    return True
-
-
 def main(form: str, out_path: str | None, batches=(1, 8)):
-    if form not in FORMS and not _mixer_form(form):
-        raise SystemExit(f"FORM must be one of {', '.join(FORMS)}, or mixer<R>-bv<BV>[-post][-h]")
+    if form not in FORMS:
+        raise SystemExit(f"FORM must be one of {', '.join(FORMS)}")
     patched = _product_form(form)
     if patched is not None:
         norms.DeferredNorm.product = patched

@@ -1,11 +1,8 @@
 """Probe: the GDN layer's mixer at decode (T=1) on the 0.8B layer's widths, one kernel against the unfused chain.
 
     python bench/probes/gdn_mixer.py OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); CPU: a run check only
-    PROBE_FORMS="unfused mixer-w4 mixer-w4-bv64" python bench/probes/gdn_mixer.py ...  # the forms to time
 
-Forms: `mixer-w<N>` the one-kernel mixer (`pallas_kernels/gdn_mixer.py`) with N warps, `mixer-w<N>-bv<BV>` it
-updating each value head's state BV columns at a time (block_v, r40), `-h` with the first state block's load
-hoisted above the conv (hoist); `unfused` the chain the
+Forms: `mixer-w<N>` the one-kernel mixer (`pallas_kernels/gdn_mixer.py`) with N warps; `unfused` the chain the
 engine ran before it (the post-scale of the product, the gates, `causal_conv_pooled`, `gdn_recurrent_pooled`,
 the gated norm). Inputs as a batch-1 decode step hands them: the fp32 in_proj product and its 1/rms, one
 row per slot. Each call runs the mixer over LAYERS distinct pools in a chain, as a step's layers do, so the
@@ -14,8 +11,6 @@ states are cold (not in the 50 MB L2); device us per layer from a profiler trace
 
 import functools
 import json
-import os
-import re
 import sys
 
 import jax
@@ -56,17 +51,14 @@ def chained(form, layers, ys, scale, w, A_log, dt_bias, norm_w, convs, ssms, row
         if form == "unfused":
             outs.append(unfused(ys[i], scale, w, A_log, dt_bias, norm_w, 1e-6, convs[i], ssms[i], *rows))
         else:
-            m = re.fullmatch(r"mixer-w(\d+)(?:-bv(\d+))?(-h)?", form)
             outs.append(gdn_mixer_pooled(ys[i], scale, w, A_log, dt_bias, norm_w, 1e-6, convs[i], ssms[i], *rows,
-                                         dtype=bf, num_warps=int(m[1]), block_v=int(m[2]) if m[2] else None,
-                                         hoist=m[3] is not None))
+                                         dtype=bf, num_warps=int(form.split("-w")[1])))
     return outs
 
 
 def main(out_path, batches=(1, 64)):
     gpu = on_gpu()
-    default = ("unfused", "mixer-w4", "mixer-w8", "mixer-w16") if gpu else ("unfused", "mixer-w4", "mixer-w4-bv64")
-    forms = tuple(os.environ["PROBE_FORMS"].split()) if os.environ.get("PROBE_FORMS") else default
+    forms = ("unfused", "mixer-w4", "mixer-w8", "mixer-w16") if gpu else ("unfused", "mixer-w4")
     result = {"benchmark": "gdn-mixer-probe", "rows": [], "env": environment(),
               "timing": "device us per layer (one row per slot, T = 1) from a profiler trace of chained layers"}
     key = jax.random.PRNGKey(0)
