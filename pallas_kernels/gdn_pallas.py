@@ -205,44 +205,6 @@ def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, ver
     plt.store(pool_ref.at[slot, jnp.int32(0), h, :, cols], S, mask=jnp.full(S.shape, jnp.logical_not(verify)), **hint)
 
 
-def _pooled_persistent_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, _verify_ref, _pool_in, o_ref,
-                              pool_ref, *, N, P, Hv, nv, group, dk, BV, scale, evict_first):
-    """Decode rows (T = 1) of `_pooled_kernel` on P programs that each walk tiles pid, pid + P, ... of the
-    N = B * Hv * nv (row, value head, dv block) tiles, loading tile i+1's state before updating tile i, so a
-    program keeps a load in flight while it computes (tiles past N load tile N-1 and store nothing)."""
-    from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
-
-    hint = {"eviction_policy": "evict_first"} if evict_first else {}
-    pid = pl.program_id(0)
-    qk_width = qkv_ref.shape[2] - o_ref.shape[2] * o_ref.shape[3]
-    dv = o_ref.shape[3]
-
-    def load(i):  # tile pid + i*P's inputs and state (clamped to the last tile)
-        t = jnp.minimum(pid + i * P, N - 1)
-        b, h, iv = t // (Hv * nv), (t // nv) % Hv, t % nv
-        hk = h // group
-        zero = jnp.int32(0)
-        slot = slot_ref[b]
-        S = plt.load(pool_ref.at[slot, start_ref[b], h, :, pl.ds(iv * BV, BV)], **hint)
-        S = jnp.where(fresh_ref[b] != 0, 0.0, S)
-        q = qkv_ref[b, zero, pl.ds(hk * dk, dk)]
-        k = qkv_ref[b, zero, pl.ds(qk_width // 2 + hk * dk, dk)]
-        v = qkv_ref[b, zero, pl.ds(qk_width + h * dv + iv * BV, BV)]
-        return (b, h, iv, slot, S, q, k, v, g_ref[b, zero, h], beta_ref[b, zero, h])
-
-    steps = -(-N // P)
-    tile = load(0)
-    for i in range(steps):
-        nxt = load(i + 1) if i + 1 < steps else None  # issued before this tile's update and stores
-        b, h, iv, slot, S, q, k, v, g, beta = tile
-        S, o = _delta_step(q, k, v, g, beta, scale, S)
-        real = pid + i * P < N
-        cols = pl.ds(iv * BV, BV)
-        plt.store(o_ref.at[b, jnp.int32(0), h, cols], o.astype(o_ref.dtype), mask=jnp.full(o.shape, real))
-        plt.store(pool_ref.at[slot, jnp.int32(0), h, :, cols], S, mask=jnp.full(S.shape, real), **hint)
-        tile = nxt
-
-
 def pooled_kernel_supports(dk: int, dv: int) -> bool:
     """The in-place kernel cannot pad the pool: head dims must already be Triton tiles."""
     return all(d >= 16 and d == pl.next_power_of_2(d) for d in (dk, dv))
@@ -256,7 +218,7 @@ def pool_warps(T: int) -> int:
 
 
 def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int | None = None,
-                         block_v: int | None = None, evict_first: bool = True, programs: int | None = None):
+                         block_v: int | None = None, evict_first: bool = True):
     """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
 
     qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
@@ -268,8 +230,9 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
     load and stores (read once, written once): with 2 warps 3-7% faster on verify windows, within 1.5% on
-    decode rows (`gdn-pool-probe-r26b`: batch 64 T = 4 95.5 against 102.9 us a layer); programs: for decode
-    steps (T = 1), run that many programs, each walking its share of the tiles (`_pooled_persistent_kernel`).
+    decode rows (`gdn-pool-probe-r26b`: batch 64 T = 4 95.5 against 102.9 us a layer). Decode rows on fewer
+    programs that each walk several tiles, loading the next tile's state before updating the current one, were
+    no faster (batch 64 40.3 us at best against 39.7; `gdn-pool-persistent-probe-r40`, code in aee8228).
     """
     B, T, C = qkv.shape
     _, W, Hv, dk, dv = pool.shape
@@ -280,16 +243,9 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
     kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5,
                                evict_first=evict_first)
-    grid = (B, Hv, dv // BV)
-    if programs and T == 1:
-        N = B * Hv * (dv // BV)
-        P = min(programs, N)
-        kernel = functools.partial(_pooled_persistent_kernel, N=N, P=P, Hv=Hv, nv=dv // BV, group=Hv // Hk, dk=dk,
-                                   BV=BV, scale=dk**-0.5, evict_first=evict_first)
-        grid = (P,)
     o, pool = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=grid, input_output_aliases={7: 1}, interpret=interpret_default(interpret),
+        grid=(B, Hv, dv // BV), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps or pool_warps(T)),
     )(qkv, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
     return o, pool

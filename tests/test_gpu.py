@@ -117,15 +117,14 @@ def test_chunked_kernel_gates_from_the_projection_compiled():
         check_gates_from_source(dtype)
 
 
-@pytest.mark.parametrize("T, B, programs", [(1, 64, None), (2, 32, None), (4, 8, None), (1, 64, 528), (1, 48, 500)])
-def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B, programs):
+@pytest.mark.parametrize("T, B", [(1, 64), (2, 32), (4, 8)])
+def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B):
     """The in-place pool kernel as the engine runs it (dv tiles of `_value_block`, `pool_warps(T)` warps,
     evict-first hints; decode rows on the one-store path, verify windows on masked per-position stores)
-    against the fp32 reference: reads the start checkpoint, writes checkpoints in place, leaves the rest.
-    programs: decode rows on that many programs walking the tiles (500 of 1536: a partial last round)."""
+    against the fp32 reference: reads the start checkpoint, writes checkpoints in place, leaves the rest."""
     from test_gdn_pallas import check_pooled_kernel
 
-    check_pooled_kernel(T, B=B, Hk=16, Hv=16, dk=128, dv=128, W=4, tol=1e-4, programs=programs)
+    check_pooled_kernel(T, B=B, Hk=16, Hv=16, dk=128, dv=128, W=4, tol=1e-4)
 
 
 @pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])

@@ -2,12 +2,10 @@
 program shape, against an XLA pass that reads and writes the same fp32 state bytes.
 
     python bench/probes/gdn_pool.py OUT.json [BATCH ...]   # on the H200 (PYTHONPATH=.); CPU: a run check only
-    PROBE_FORMS="xla-scale bv64-w4-ef bv64-w4-ef-p528" PROBE_T=1 python bench/probes/gdn_pool.py ...  # forms, T
 
 At batch 64 the pool kernel is ~0.69 ms of the 0.8B decode step (18 layers, each row's 1 MB fp32 state read
 and written at ~3.5 TB/s), the largest kernel there. Forms: `bv<BV>-w<W>` the kernel with a dv tile of BV
-columns on W warps, `-p<P>` decode rows on P programs that each walk their share of the tiles, loading
-the next tile's state before updating the current one (r40), `-ef` with evict-first hints on the state's load and stores (the engine's default:
+columns on W warps, `-ef` with evict-first hints on the state's load and stores (the engine's default:
 `_value_block`'s tile, `pool_warps(T)`, hints on; r26 chose the last two by this probe); `copy-bv<BV>-w<W>` a Pallas kernel of the same grid that only scales the state tile
 in place (what the tiling alone gets); `xla-scale` the state pool scaled in place by XLA (read + write of
 the same bytes: the bandwidth a plain pass gets). T = 1 rows (decode) and T = 2 and 4 verify rows (a
@@ -50,28 +48,25 @@ def pallas_scale(pool, slots, bv, warps):
 
 
 def parse(form):
-    """'bv64-w4-ef-p528' -> (kind, bv, warps, evict_first, programs or None); xla-scale -> ('xla', 0, 0, False,
-    None)."""
+    """'bv64-w4-ef' -> (kind, bv, warps, evict_first); xla-scale -> ('xla', 0, 0, False)."""
     if form == "xla-scale":
-        return "xla", 0, 0, False, None
+        return "xla", 0, 0, False
     parts = form.split("-")
     kind = "copy" if parts[0] == "copy" else "kernel"
     bv = next(int(x[2:]) for x in parts if x.startswith("bv"))
     warps = next(int(x[1:]) for x in parts if x.startswith("w"))
-    programs = next((int(x[1:]) for x in parts if x.startswith("p")), None)
-    return kind, bv, warps, "ef" in parts, programs
+    return kind, bv, warps, "ef" in parts
 
 
 def chained(form, layers, T, qkv, g, beta, rows, pools):
     """The form over `layers` pools, one after another on the stream. pools: tuple of [S, W, Hv, dk, dv]."""
     outs, new = [], []
-    kind, bv, w, ef, programs = parse(form)
+    kind, bv, w, ef = parse(form)
     for pool in pools:
         if kind != "kernel":
             new.append(pool * 0.999 if kind == "xla" else pallas_scale(pool, rows[0], bv, w))
             continue
-        o, pool = gdn_recurrent_pooled(qkv, g, beta, pool, *rows, num_warps=w, block_v=bv, evict_first=ef,
-                                       programs=programs)
+        o, pool = gdn_recurrent_pooled(qkv, g, beta, pool, *rows, num_warps=w, block_v=bv, evict_first=ef)
         outs.append(o)
         new.append(pool)
     return outs, tuple(new)
@@ -107,14 +102,12 @@ def main(out_path, batches=(32, 64, 128)):
     forms = os.environ.get("PROBE_FORMS", "").split() or (
         ["xla-scale", "copy-bv64-w4", "copy-bv128-w4", "copy-bv64-w2"]
         + [f"bv{bv}-w{w}" for bv in (32, 64, 128) for w in (2, 4, 8)] + ["bv64-w4-ef", "bv64-w2-ef"]
-        if gpu else ["bv64-w4", "bv32-w2-ef", "copy-bv64-w4", "xla-scale", "bv32-w4-ef-p3"])
+        if gpu else ["bv64-w4", "bv32-w2-ef", "copy-bv64-w4", "xla-scale"])
     result = {"benchmark": "gdn-pool-probe", "rows": [], "env": environment(),
               "timing": "device us per layer from a profiler trace of chained layers (distinct donated pools)"}
     key = jax.random.PRNGKey(0)
     for B in batches if gpu else (2,):
         for T, verify in ((1, False), (2, True), (4, True)):
-            if str(T) not in os.environ.get("PROBE_T", "1 2 4").split():
-                continue
             W = T if verify else 1
             pool_mb = (B + 1) * W * Hv * dk * dv * 4 / 1e6
             layers = max(2, min(8, int(600 // pool_mb))) if gpu else 2
