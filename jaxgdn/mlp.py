@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import mlp_decode, swiglu_mosaic
+from pallas_kernels import swiglu_mosaic
 
 from .engine_config import min_tokens_arg
-from .norms import POST_SCALE_MAX_TOKENS, DeferredNorm
+from .norms import DeferredNorm
 from .params import FUSED_PROJECTIONS
 
 # An MLP over at least this many tokens with fused gate/up weights runs SiLU(gate) * up inside the gate/up
@@ -49,39 +49,6 @@ def _swiglu_small_from_env() -> bool:
 
 
 SWIGLU_SMALL_KERNEL = _swiglu_small_from_env()
-
-
-# A decode-sized step of at most this many tokens runs a decoder layer's MLP half (the residual add, the folded
-# post-attention norm, gate/up, SiLU * up, down) as one kernel (`pallas_kernels/mlp_decode.py`).
-# `$JAXGDN_MLP_KERNEL_MAX_TOKENS` (a token count, or 'off') sets it for the process; read once, at import.
-MLP_KERNEL_MAX_TOKENS_DEFAULT = 8
-
-
-def _mlp_kernel_max_tokens_from_env() -> int:
-    text = os.environ.get("JAXGDN_MLP_KERNEL_MAX_TOKENS", "").strip().lower()
-    if not text:
-        return MLP_KERNEL_MAX_TOKENS_DEFAULT
-    if text == "off":
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"$JAXGDN_MLP_KERNEL_MAX_TOKENS: expected a token count or 'off', got {text!r}")
-    return int(text)
-
-
-MLP_KERNEL_MAX_TOKENS = _mlp_kernel_max_tokens_from_env()
-
-
-def _mlp_kernel_form_from_env() -> dict:
-    """`$JAXGDN_MLP_KERNEL_FORM` 'form,combine,block,warps' (`mlp_decode.mlp_decode`'s arguments), read once."""
-    text = os.environ.get("JAXGDN_MLP_KERNEL_FORM", "reduce,atomic,16,8")
-    try:
-        form, combine, block, warps = (part.strip() for part in text.split(","))
-        return dict(form=form, combine=combine, block=int(block), num_warps=int(warps))
-    except ValueError:
-        raise ValueError(f"$JAXGDN_MLP_KERNEL_FORM: expected 'form,combine,block,warps', got {text!r}") from None
-
-
-MLP_KERNEL_FORM = _mlp_kernel_form_from_env()
 
 
 def linear(x, w):
@@ -144,23 +111,3 @@ def gated_product(p, x):
 def mlp(p, x):
     """down(silu(gate(x)) * up(x)); p: MLPParams; x: [..., H]."""
     return linear(gated_product(p, x), p.down_proj)
-
-
-def use_mlp_kernel(layer, x, allowed: bool) -> bool:
-    """Whether the layer's MLP half over x [..., H] runs as the one kernel (`residual_mlp_kernel`): allowed
-    (the engine's fused decode kernels, on a GPU or asked for with the Pallas impl), at most
-    MLP_KERNEL_MAX_TOKENS tokens, the post-attention norm folded into fused gate/up weights of x's dtype."""
-    p = layer.mlp
-    tokens = int(np.prod(x.shape[:-1]))
-    return (allowed and tokens <= MLP_KERNEL_MAX_TOKENS and layer.post_attention_layernorm is None
-            and p.fused is not None and p.fused.dtype == x.dtype and p.down_proj.dtype == x.dtype
-            and mlp_decode.supported(tokens, x.shape[-1], p.down_proj.shape[1], MLP_KERNEL_FORM["block"]))
-
-
-def residual_mlp_kernel(layer, x, h, eps: float):
-    """(x + h) + mlp(norm(x + h)) [..., H] through `pallas_kernels/mlp_decode.py` (see `use_mlp_kernel`); the
-    final add is left to XLA, which fuses it into the next layer's first kernel."""
-    rows, width = x.reshape(-1, x.shape[-1]), x.shape[-1]
-    acc = mlp_decode.mlp_decode(rows, h.reshape(-1, width), layer.mlp.fused, layer.mlp.down_proj, eps,
-                                post_scale=rows.shape[0] <= POST_SCALE_MAX_TOKENS, **MLP_KERNEL_FORM)
-    return (x + h) + acc.reshape(x.shape).astype(x.dtype)

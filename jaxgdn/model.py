@@ -14,23 +14,20 @@ import jax.numpy as jnp
 from .attention import attention_layer
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_layer
-from .mlp import linear, mlp, residual_mlp_kernel, use_mlp_kernel
+from .mlp import linear, mlp
 from .norms import pre_norm, rms_norm_1p
 from .params import DecoderLayerParams, ModelParams
 from .state import ModelCache
 
 
-def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable, mlp_kernel: bool = False):
+def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable):
     """Pre-norm residual block: x + mixer(norm(x)), then + MLP(norm(.)).
 
     mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools); h is
     the normed x, a DeferredNorm where the norm's weight is folded into the projections (`pre_norm`).
-    mlp_kernel: the MLP half may run as one kernel at decode sizes (`mlp.use_mlp_kernel`).
     Returns (x, new_state).
     """
     h, new_state = mixer(pre_norm(x, p.input_layernorm, cfg.rms_norm_eps))
-    if use_mlp_kernel(p, x, mlp_kernel):
-        return residual_mlp_kernel(p, x, h, cfg.rms_norm_eps), new_state
     x = x + h
     x = x + mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, cfg.rms_norm_eps))
     return x, new_state

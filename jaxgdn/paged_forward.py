@@ -91,13 +91,6 @@ def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: in
             and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
 
 
-def use_decode_mlp_kernel(impl: str, fused_decode: bool) -> bool:
-    """Whether decode-sized steps may run a layer's MLP half as one kernel (`mlp.use_mlp_kernel` checks the
-    sizes): fused_decode on, on a GPU or with the attention impl "pallas" (which asks for the Pallas kernels
-    off a GPU too: the tests run them interpreted)."""
-    return fused_decode and (impl == "pallas" or on_gpu())
-
-
 def use_prompt_qkv_kernel(p, cfg: ModelConfig, queries: int, impl: str) -> bool:
     """Whether rows wider than decode rows (prefill) take q/k/v from the fused projection through the one
     kernel (`pallas_kernels/prompt_qkv.py`: the split, q/k norms and RoPE) on a GPU or with impl "pallas"."""
@@ -358,7 +351,7 @@ def _paged_layer(p, x, layer_state, view: RowView, num_accepted, token_cell, *, 
             out, new_state = gdn_rows(p.mixer, cfg, h, view, layer_state, num_accepted, gdn_impl, fused_decode)
         return to_flat(out), new_state
 
-    return residual_block(p, cfg, x, mixer, mlp_kernel=use_decode_mlp_kernel(attention_impl, fused_decode))
+    return residual_block(p, cfg, x, mixer)
 
 
 def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: RowView, mtp_layers: tuple,
@@ -371,7 +364,6 @@ def mtp_paged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, view: Row
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
         x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: paged_attention(
-            layer.mixer, cfg, h, view, kv, attention_impl, whole_prompts, fused_decode),
-            mlp_kernel=use_decode_mlp_kernel(attention_impl, fused_decode))
+            layer.mixer, cfg, h, view, kv, attention_impl, whole_prompts, fused_decode))
         new_layers.append(kv)
     return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

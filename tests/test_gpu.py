@@ -404,20 +404,6 @@ def test_prompt_qkv_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(R, Q
     test_kernel_matches_the_xla_chain("real", R, Q, jnp.dtype(dtype).type)
 
 
-@pytest.mark.parametrize("m, dtype, transposed, block, warps", [
-    (1, "bfloat16", False, 16, 8), (8, "bfloat16", False, 16, 8), (1, "bfloat16", True, 32, 4),
-    (3, "float32", False, 16, 8), (1, "float32", True, 8, 4)])
-def test_mlp_decode_kernel_compiled_matches_the_xla_chain(m, dtype, transposed, block, warps):
-    """The one-kernel MLP half (`pallas_kernels/mlp_decode.py`) compiled at the 0.8B widths against the XLA
-    chain it replaces in the engine, as its CPU test checks it interpreted."""
-    import jax.numpy as jnp
-
-    from test_mlp_decode import check_against_the_xla_chain
-
-    check_against_the_xla_chain(m, 1024, 3584, jnp.dtype(dtype), transposed, interpret=False, block=block,
-                                num_warps=warps)
-
-
 @pytest.mark.parametrize("form, m, k, width", [
     ("large", 256, 64, 128), ("large", 512, 192, 384), ("large", 4096, 1024, 3584),
     ("small", 64, 256, 64), ("small", 64, 512, 384), ("small", 64, 1024, 3584)])
