@@ -10,6 +10,7 @@ steps neither decay nor write, and their slots are the null slot.
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 from typing import Any
 
@@ -21,7 +22,7 @@ from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
 from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
-from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
+from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled
 from pallas_kernels.paged_attention import kernel_supports as paged_kernel_supports
 from pallas_kernels.paged_attention import paged_attention_pallas, write_kernel_supports, write_kv_pallas
 from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
@@ -219,6 +220,19 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 # 1.763 against 1.717 ms (gdn-mixer-blocks-probe-r40, decode-forms-*-r40_gpu_20261204.json).
 MIXER_MAX_ROWS = 16
 
+# Steps of the unfused chain (more than MIXER_MAX_ROWS rows) with fused weights form the gates g and beta inside
+# the pool kernel from the product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a
+# kernel of their own (1.4 us a layer at batch 64, bench/results/decode-kernels-r30-probe_gpu_20261203.json).
+# `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
+def _pool_gates_from_env() -> bool:
+    text = os.environ.get("JAXGDN_POOL_GATES", "on").strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(f"$JAXGDN_POOL_GATES: expected 'on' or 'off', got {text!r}")
+    return text == "on"
+
+
+POOL_KERNEL_GATES = _pool_gates_from_env()
+
 
 def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
     """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on, at
@@ -260,7 +274,12 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         start_window = _read_conv(slots, view, offset, kc)
         u, window = causal_conv_silu(mixed, start_window, p.conv1d, view.num_valid)
         conv = _write_conv(slots, view, window, conv_checkpoint_inputs(start_window, mixed, K) if K else None)
-    o, ssm = gdn_recurrent_pooled(u, g, beta, slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
+        gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
+        o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
+    else:
+        o, ssm = gdn_recurrent_pooled(u, g, beta, *rows)
     return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
 
 

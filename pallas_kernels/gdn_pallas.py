@@ -166,9 +166,14 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
     return o, sT
 
 
-def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref,
-                   *, T, W, group, dk, BV, scale, evict_first):
+def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_offset):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
+
+    if b_offset is not None:  # the gates from the projection in place (`GateSource`)
+        src_ref, alog_ref, dtb_ref, nvalid_ref, *refs = refs
+    else:
+        g_ref, beta_ref, *refs = refs
+    slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref = refs
 
     # evict_first: the state is read once and written once, so its lines may leave L2 first
     hint = {"eviction_policy": "evict_first"} if evict_first else {}
@@ -184,9 +189,17 @@ def _pooled_kernel(qkv_ref, g_ref, beta_ref, slot_ref, start_ref, fresh_ref, ver
     S = jnp.where(fresh_ref[b] != 0, 0.0, S)  # a fresh row never sees what the slot held before
     verify = verify_ref[b] != 0
 
+    def gates(t):  # (g, beta) of token t: given, or formed from the projection's b and a columns
+        if b_offset is None:
+            return g_ref[b, t, h], beta_ref[b, t, h]
+        Hv = o_ref.shape[2]
+        g, beta = gate_values(src_ref[b, t, b_offset + h], src_ref[b, t, b_offset + Hv + h], alog_ref[h], dtb_ref[h],
+                              src_ref.dtype)
+        real = t < nvalid_ref[b]  # padded steps neither decay nor write
+        return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+
     def token(t, S):  # one token of the recurrence, its output row written
-        S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], g_ref[b, t, h],
-                           beta_ref[b, t, h], scale, S)
+        S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], *gates(t), scale, S)
         o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
         return S
 
@@ -218,7 +231,7 @@ def pool_warps(T: int) -> int:
 
 
 def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int | None = None,
-                         block_v: int | None = None, evict_first: bool = True):
+                         block_v: int | None = None, evict_first: bool = True, gates=None):
     """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
 
     qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
@@ -226,6 +239,8 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     slots [B] pool slot of each row; start [B] checkpoint to start from (num_accepted - 1); fresh [B]
     start from zeros; verify [B] write the state after window position t to checkpoint t (t < W), else
     write the final state to checkpoint 0.
+    gates: a `GateSource` (g = beta = None): the kernel forms g and beta from the projection's b and a columns
+    in place, as `jaxgdn.gdn.gdn_gates` and the padding mask do in XLA, where they were a kernel of their own.
     Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
@@ -241,13 +256,15 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     BV = block_v or _value_block(dv, B * Hv)
     assert dv % BV == 0 and BV >= 16, (dv, BV)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    gate_args = gate_kernel_args(g, beta, gates, B, T, Hv)
     kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5,
-                               evict_first=evict_first)
+                               evict_first=evict_first, b_offset=None if gates is None else gates.b_offset)
+    args = (qkv, *gate_args, i32(slots), i32(start), i32(fresh), i32(verify), pool)
     o, pool = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(B, Hv, dv // BV), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
+        grid=(B, Hv, dv // BV), input_output_aliases={len(args) - 1: 1}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps or pool_warps(T)),
-    )(qkv, g.astype(f32), beta.astype(f32), i32(slots), i32(start), i32(fresh), i32(verify), pool)
+    )(*args)
     return o, pool
 
 
@@ -506,6 +523,21 @@ class GateSource(NamedTuple):
     num_valid: jax.Array | None = None
 
 
+def gate_kernel_args(g, beta, gates: GateSource | None, B: int, T: int, Hv: int) -> tuple:
+    """A kernel's gate arguments: (g, beta) in fp32, or with gates (g = beta = None) the GateSource's source,
+    A_log, dt_bias and num_valid (int32, at most T; T when None), checked against [B, T] rows and Hv heads."""
+    if gates is None:
+        return g.astype(f32), beta.astype(f32)
+    if g is not None or beta is not None:
+        raise ValueError("gates= computes g and beta in the kernel: pass g = beta = None")
+    src_shape = gates.source.shape
+    if src_shape[:2] != (B, T) or not 0 <= gates.b_offset <= src_shape[2] - 2 * Hv:
+        raise ValueError(f"GateSource: source {src_shape} has no [{B}, {T}] rows with b and a columns at "
+                         f"{gates.b_offset} .. {gates.b_offset + 2 * Hv}")
+    n = jnp.full((B,), T, jnp.int32) if gates.num_valid is None else jnp.minimum(gates.num_valid, T)
+    return gates.source, gates.A_log, gates.dt_bias, n.astype(jnp.int32)
+
+
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
                        warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
                        scan_stages: int | None = None, out_dtype=None, gates: GateSource | None = None,
@@ -544,18 +576,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     q, k, v, s0 = _pad_heads(q, k, v, initial_state)
     dkp, dvp = q.shape[-1], v.shape[-1]
     pad = (-T) % CHUNK
-    if gates is None:
-        gate_args, gate_info = (g.astype(f32), beta.astype(f32)), None
-    else:  # padded steps get g = beta = 0 in the kernel
-        if g is not None or beta is not None:
-            raise ValueError("gates= computes g and beta in the kernel: pass g = beta = None")
-        src_shape = gates.source.shape
-        if src_shape[:2] != (B, T) or not 0 <= gates.b_offset <= src_shape[2] - 2 * Hv:
-            raise ValueError(f"GateSource: source {src_shape} has no [{B}, {T}] rows with b and a columns at "
-                             f"{gates.b_offset} .. {gates.b_offset + 2 * Hv}")
-        n = jnp.full((B,), T, jnp.int32) if gates.num_valid is None else jnp.minimum(gates.num_valid, T)
-        gate_args = (gates.source, gates.A_log, gates.dt_bias, n.astype(jnp.int32))
-        gate_info = (T, gates.b_offset, Hv)
+    gate_args = gate_kernel_args(g, beta, gates, B, T, Hv)  # padded steps get g = beta = 0 in the kernel
+    gate_info = None if gates is None else (T, gates.b_offset, Hv)
     if pad:  # padded steps: zero k, v, beta and g neither decay nor write the state
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         q, k, v = (padt(x) for x in (q, k, v))

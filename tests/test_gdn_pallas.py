@@ -249,7 +249,7 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled", "pooled-gates"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
@@ -265,10 +265,16 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     else:
         from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
+        from pallas_kernels.gdn_pallas import GateSource
+
         pool, slots = jnp.zeros((3, 2, 4, 128, 128)), jnp.array([2])
         flag = jnp.array([True])
-        fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(pack_qkv(q, k, v), g, b, pool, slots, slots - 1,  # noqa: E731
-                                                           flag, flag, interpret=False)
+        gates = None
+        if kernel == "pooled-gates":  # g and beta formed from a projection's b and a columns in the kernel
+            gates = GateSource(jnp.ones((1, 70, 16), jnp.bfloat16), 8, jnp.ones(4), jnp.ones(4), jnp.array([60]))
+        fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(  # noqa: E731
+            pack_qkv(q, k, v), None if gates else g, None if gates else b, pool, slots, slots - 1, flag, flag,
+            interpret=False, gates=gates)
     text = jax.jit(fn).trace(bf(q), bf(k), bf(v), g, beta, s0).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 
@@ -300,11 +306,30 @@ def test_scan_pipeline_depth_fits_the_shared_memory():
     assert scan_stages(jnp.float32) == {2} and scan_stages(jnp.bfloat16) == {3}
 
 
-def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, **options):
+def gates_in_product(g, beta, T, rng):
+    """A GateSource over a product y [B, T, 5 + 2 * Hv] with b and a at columns 3 .. 3 + 2 * Hv, with A_log,
+    dt_bias and num_valid [B] (row 1 padded after its first token), and the (g, beta) that
+    `jaxgdn.gdn.gdn_projections` forms from them (zero past num_valid). g, beta give the shape."""
+    from jaxgdn.gdn import gdn_gates
+    from jaxgdn.params import GDNParams
+
+    B, _, Hv = g.shape
+    y = jnp.asarray(rng.standard_normal((B, T, 5 + 2 * Hv)), jnp.float32)
+    A_log, dt_bias = (jnp.asarray(rng.standard_normal(Hv), jnp.float32) for _ in range(2))
+    num_valid = jnp.asarray([T, 1] + [T] * (B - 2))
+    p = GDNParams(**{f: None for f in GDNParams.__dataclass_fields__} | {"A_log": A_log, "dt_bias": dt_bias})
+    g, beta = gdn_gates(p, y[..., 3 + Hv : 3 + 2 * Hv], y[..., 3 : 3 + Hv])  # gdn_gates(p, a, b)
+    valid = (jnp.arange(T)[None, :] < num_valid[:, None])[..., None]
+    gates = GateSource(y, 3, A_log, dt_bias, num_valid)
+    return gates, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+
+
+def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, from_product=False, **options):
     """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
     position to checkpoints 0..min(T, W)-1, other rows write their final state to checkpoint 0; other
     slots and checkpoints are untouched. Rows alternate verify / not, every third is fresh; errors are
-    relative to the largest reference value. options: the kernel's program-shape keywords."""
+    relative to the largest reference value. options: the kernel's program-shape keywords; from_product: the
+    kernel forms g and beta from an in_proj product's b and a columns (row 1 padded after one token)."""
     from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
     q, k, v, g, beta, _ = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=5 + T)
@@ -313,8 +338,13 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, **optio
     slots = jnp.asarray(rng.permutation(B + 2)[:B])
     start = jnp.asarray(rng.integers(0, W, B))
     fresh, verify = jnp.arange(B) % 3 == 2, jnp.arange(B) % 2 == 0
-    run = jax.jit(lambda *a: gdn_recurrent_pooled(*a, **options))
-    o, new = run(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
+    if from_product:  # b and a in an in_proj product, the gates formed in the kernel (`gates_in_product`)
+        gates, g, beta = gates_in_product(g, beta, T, rng)
+        run = jax.jit(lambda qkv, *a: gdn_recurrent_pooled(qkv, None, None, *a, **options, gates=gates))
+        o, new = run(pack_qkv(q, k, v), pool, slots, start, fresh, verify)
+    else:
+        run = jax.jit(lambda *a: gdn_recurrent_pooled(*a, **options))
+        o, new = run(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
     expect = np.asarray(pool).copy()
     rel = lambda a, b: max_err(a, b) / max(float(jnp.abs(b).max()), 1.0)  # noqa: E731
     with jax.default_matmul_precision("highest"):
@@ -330,11 +360,12 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, **optio
 
 
 @pytest.mark.parametrize("T, options", [(3, {}), (1, {}), (4, {}),
-                                        (3, {"block_v": 16, "evict_first": False, "num_warps": 4})])
+                                        (3, {"block_v": 16, "evict_first": False, "num_warps": 4}),
+                                        (1, {"from_product": True}), (3, {"from_product": True})])
 def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options):
     """See check_pooled_kernel. T = 1 (decode) has its own store path; T = 4 runs past the 3 checkpoints
     (a verify row keeps the first 3); the options (a narrower dv tile, no cache hints, 4 warps at T = 3)
-    change only how the kernel runs."""
+    change only how the kernel runs; from_product: the gates formed in the kernel, as the engine's chain does."""
     check_pooled_kernel(T, **options)
 
 
