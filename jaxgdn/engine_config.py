@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 import jax.numpy as jnp
 
@@ -25,6 +26,15 @@ def min_tokens_arg(text: str) -> int | None:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'off', got {text!r}")
     return int(text)
+
+
+def env_switch(name: str, default: str = "on") -> bool:
+    """A process-wide on/off switch from $name ('on' or 'off', any case; unset: default), else a ValueError
+    naming the variable: the A/B switches of the kernel forms, read once at import."""
+    text = os.environ.get(name, default).strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(f"${name}: expected 'on' or 'off', got {text!r}")
+    return text == "on"
 
 
 @dataclasses.dataclass(frozen=True)

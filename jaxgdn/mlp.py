@@ -9,7 +9,7 @@ import numpy as np
 
 from pallas_kernels import swiglu_mosaic
 
-from .engine_config import min_tokens_arg
+from .engine_config import env_switch, min_tokens_arg
 from .norms import DeferredNorm
 from .params import FUSED_PROJECTIONS
 
@@ -41,14 +41,7 @@ SWIGLU_KERNEL_MIN_TOKENS = _swiglu_min_tokens_from_env()  # None: never
 # decode step 1.716 against 1.777 ms, then on / off / on 1.740 / 1.782 / 1.743 (device 1.799 / 1.834 / 1.797;
 # decode-swiglu-small-{on,off}_gpu_20261204.json, then -on-b1, -off-b, -on-b2). `$JAXGDN_SWIGLU_SMALL`
 # ('on', the default, or 'off'; read once at import) switches it.
-def _swiglu_small_from_env() -> bool:
-    text = os.environ.get("JAXGDN_SWIGLU_SMALL", "on").strip().lower()
-    if text not in ("on", "off"):
-        raise ValueError(f"$JAXGDN_SWIGLU_SMALL: expected 'on' or 'off', got {text!r}")
-    return text == "on"
-
-
-SWIGLU_SMALL_KERNEL = _swiglu_small_from_env()
+SWIGLU_SMALL_KERNEL = env_switch("JAXGDN_SWIGLU_SMALL")
 
 
 def linear(x, w):

@@ -10,7 +10,6 @@ steps neither decay nor write, and their slots are the null slot.
 from __future__ import annotations
 
 import dataclasses
-import os
 import functools
 from typing import Any
 
@@ -30,6 +29,7 @@ from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
 from .attention import fresh_prompt_attention, gqa_attention, project_qkv_gate
 from .cache import EngineState, GDNSlots, PagedKV
 from .config import FULL_ATTENTION, ModelConfig
+from .engine_config import env_switch
 from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output, gdn_projections
 from .mlp import linear, linear_parts
 from .model import residual_block
@@ -223,15 +223,9 @@ MIXER_MAX_ROWS = 16
 # Steps of the unfused chain (more than MIXER_MAX_ROWS rows) with fused weights form the gates g and beta inside
 # the pool kernel from the product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a
 # kernel of their own (1.4 us a layer at batch 64, bench/results/decode-kernels-r30-probe_gpu_20261203.json).
+# batch 64 1.726 against 1.759 / 1.756 ms a step (off / on / off, bench/results/decode-pool-gates-*-r41_gpu_20261204.json).
 # `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
-def _pool_gates_from_env() -> bool:
-    text = os.environ.get("JAXGDN_POOL_GATES", "on").strip().lower()
-    if text not in ("on", "off"):
-        raise ValueError(f"$JAXGDN_POOL_GATES: expected 'on' or 'off', got {text!r}")
-    return text == "on"
-
-
-POOL_KERNEL_GATES = _pool_gates_from_env()
+POOL_KERNEL_GATES = env_switch("JAXGDN_POOL_GATES")
 
 
 def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:

@@ -130,6 +130,7 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     import jax.numpy as jnp
 
     from jaxgdn import mlp
+    from jaxgdn.engine_config import env_switch
     from jaxgdn.norms import DeferredNorm, inverse_rms
     from jaxgdn.params import MLPParams
     from pallas_kernels import swiglu_mosaic as sm
@@ -160,15 +161,15 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
         mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", "4k")
         with pytest.raises(ValueError, match="JAXGDN_SWIGLU_MIN_TOKENS"):
             mlp._swiglu_min_tokens_from_env()
-    # $JAXGDN_SWIGLU_SMALL: on (the default) / off, else an error
+    # $JAXGDN_SWIGLU_SMALL (`env_switch`, as $JAXGDN_POOL_GATES): on (the default) / off, else an error
     for text, want in [("on", True), (" OFF", False), ("", True)]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("JAXGDN_SWIGLU_SMALL", text) if text else mp.delenv("JAXGDN_SWIGLU_SMALL", raising=False)
-            assert mlp._swiglu_small_from_env() is want
+            assert env_switch("JAXGDN_SWIGLU_SMALL") is want
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXGDN_SWIGLU_SMALL", "1")
         with pytest.raises(ValueError, match="JAXGDN_SWIGLU_SMALL"):
-            mlp._swiglu_small_from_env()
+            env_switch("JAXGDN_SWIGLU_SMALL")
     # a DeferredNorm's rows are the normed activation the products read
     normed = DeferredNorm(x, inverse_rms(x, 1e-6))
     np.testing.assert_array_equal(np.asarray(normed.rows() @ w.T), np.asarray(normed.product(w)))

@@ -265,8 +265,6 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
     else:
         from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
-        from pallas_kernels.gdn_pallas import GateSource
-
         pool, slots = jnp.zeros((3, 2, 4, 128, 128)), jnp.array([2])
         flag = jnp.array([True])
         gates = None
