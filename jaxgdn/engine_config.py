@@ -79,8 +79,8 @@ class EngineConfig:
       concatenated, `params.fuse_projections`).
     fused_decode_kernels: decode and verify rows run the layers' one-kernel forms between their two
       products where the GDN / attention path runs Pallas kernels (a GPU, or gdn_impl "pallas_pool" /
-      attention_impl "pallas" elsewhere): the GDN mixer kernel for steps of at most
-      `paged_forward.MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
+      attention_impl "pallas" elsewhere): the GDN mixer kernel for steps of
+      `paged_forward.MIXER_MIN_ROWS` to `MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
       `paged_forward.DECODE_ATTENTION_MAX_QUERIES` cells. Same math as the chains they replace (tested
       against them); False runs those chains, e.g. to rule the kernels out when chasing a problem. On the
       H200 a 0.8B decode step at batch 8 took 1.013 ms against 1.074 with the attention chain and 1.097

@@ -208,7 +208,7 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 
 
 # With fused_decode (`EngineConfig.fused_decode_kernels`), the GDN mixer kernel (`pallas_kernels/gdn_mixer.py`)
-# for steps of at most MIXER_MAX_ROWS rows on the pool kernel path; without, the unfused chain (product scale,
+# for steps of MIXER_MIN_ROWS to MIXER_MAX_ROWS rows on the pool kernel path; without, the unfused chain (product scale,
 # gates, conv kernel, pool kernel, gated norm) always.
 # Its one program per (row, key head) holds whole state tiles: on the H200 at the 0.8B widths, alone, 6.3 us a
 # layer at batch 1 and 7.8 at batch 8 against ~9 (r21's in-model inventory) and an estimated ~12 for the
@@ -219,6 +219,11 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 # rows: alone 46.3 us a layer at batch 64 against the chain's ~41; in the step, mixer up to 128 rows, batch 64
 # 1.763 against 1.717 ms (gdn-mixer-blocks-probe-r40, decode-forms-*-r40_gpu_20261204.json).
 MIXER_MAX_ROWS = 16
+# One row (batch 1 decode, or one verify window) runs the chain since r42: with the gates in the pool kernel (r41)
+# the chain's kernels take less than the mixer's 16 programs (one a head): batch 1 0.775 / 0.770 ms a step against
+# 0.793 / 0.794 with the mixer; batch 8 1.009 / 1.010 against 0.992 / 0.989, batch 16 1.155 / 1.153 against
+# 1.143 / 1.139 (default / unfused-mixer forms in turn, one process each: decode-forms-*-r42_gpu_20261204.json).
+MIXER_MIN_ROWS = 2
 
 # Steps of the unfused chain (more than MIXER_MAX_ROWS rows) with fused weights form the gates g and beta inside
 # the pool kernel from the product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a
@@ -226,13 +231,17 @@ MIXER_MAX_ROWS = 16
 # batch 64 1.726 against 1.759 / 1.756 ms a step (off / on / off, bench/results/decode-pool-gates-*-r41_gpu_20261204.json).
 # `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
 POOL_KERNEL_GATES = env_switch("JAXGDN_POOL_GATES")
+# ... and hand the gated norm its sums of squares in parts (`gdn_recurrent_pooled(square_sums_in=...)`), so the
+# norm is elementwise and XLA may fuse it into out_proj's product, where its reduction was a kernel of its own.
+# `$JAXGDN_POOL_NORM_SUMS` ('on', the default, or 'off') switches it.
+POOL_KERNEL_NORM_SUMS = env_switch("JAXGDN_POOL_NORM_SUMS")
 
 
 def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
-    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on, at
-    most MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product) and
-    tile-sized heads of at most 128 x 128."""
-    return (fused_decode and rows <= MIXER_MAX_ROWS and p.fused is not None
+    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on,
+    MIXER_MIN_ROWS to MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product)
+    and tile-sized heads of at most 128 x 128."""
+    return (fused_decode and MIXER_MIN_ROWS <= rows <= MIXER_MAX_ROWS and p.fused is not None
             and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
@@ -269,12 +278,13 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         u, window = causal_conv_silu(mixed, start_window, p.conv1d, view.num_valid)
         conv = _write_conv(slots, view, window, conv_checkpoint_inputs(start_window, mixed, K) if K else None)
     rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    sums_in = h.dtype if POOL_KERNEL_NORM_SUMS else None
     if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
         gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
-        o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
+        o, *sums, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates, square_sums_in=sums_in)
     else:
-        o, ssm = gdn_recurrent_pooled(u, g, beta, *rows)
-    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
+        o, *sums, ssm = gdn_recurrent_pooled(u, g, beta, *rows, square_sums_in=sums_in)
+    return gdn_output(p, cfg, o, z, h.dtype, square_sums=sums[0] if sums else None), GDNSlots(conv=conv, ssm=ssm)
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,
