@@ -4,7 +4,7 @@
 #   bash bench/h200.sh [tests-engine|tests-verify|tests-kernels|tests-gdn|tests-rest|kernels|decode|decode-long|decode-1step|decode-fla|decode-sync|prefill|
 #                       prefill-pallas|spec|spec-sync|spec-shipped|pd|startup|probes|gdn-probes|mosaic|sampling-probes|
 #                       sampling-backends|scan-probes|mlp-probe|decode-kernels|fold-ab|decode-forms|mixer-probe|attention-probe|pool-probe|spec-pool-ab|graph-launch|prefill-attention-probe|
-#                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab|swiglu-small|skinny-probe|pool-gates|pdl-probe|norm-sums ...]
+#                       residual-probe|libgemm-ab|swiglu-probe|swiglu-ab|swiglu-small|skinny-probe|pool-gates|pdl-probe ...]
 #   (default: all but the thirty extras, in this order; decode-long times decode at 2048-token rows; sampling-probes and sampling-backends the sampled-MTP
 #   pad-token hunt (bug fixed), spec-sync times MTP with synchronous scheduling,
 #   decode-fla times transformers + fla alone (one call), probes the cold-weight product probe
@@ -13,7 +13,7 @@
 #   default async scheduling, prefill-pallas the opt-in paged flash-attention kernel, spec-shipped only the
 #   shipped model's spec rows, scan-probes the chunked GDN scan settings and forms beside fla (limit $SCAN_PROBE_LIMIT s, default 330), mlp-probe the MLP's forms
 #   at 8192 tokens, decode-kernels a decode step's kernels named by their source, fold-ab the folded RMSNorm weights
-#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); swiglu-small r39's decode-sized form of it (test, alone, decode off/on), skinny-probe r39's Mosaic GPU decode-shaped products; pool-gates r41's gates inside the pool kernel (tests, decode off/on/off); pdl-probe r42's weight loads ahead of the PDL wait; norm-sums r42's gated-norm sums from the pool kernel (tests, decode on/off/on); `python -m jaxgdn.bench table
+#   against the unfolded norms, decode-forms forms of the decode step's code, mixer-probe the GDN mixer kernel alone, attention-probe the decode attention kernel alone, pool-probe the GDN pool kernel's program shapes, spec-pool-ab the 0.8B K=3 verify step with the pool kernel before and after r26; residual-probe and libgemm-ab r33's residual-add folding and library-GEMM A/B, swiglu-probe and swiglu-ab r34's fused SiLU * up kernel alone and in the engine's prefill (kernel off, then on); swiglu-small r39's decode-sized form of it (test, alone, decode off/on), skinny-probe r39's Mosaic GPU decode-shaped products; pool-gates r41's gates inside the pool kernel (tests, decode off/on/off); pdl-probe r42's weight loads ahead of the PDL wait; `python -m jaxgdn.bench table
 #   FILE` prints any of them)
 # Results go to $OUT (the device tool brings them back) or bench/results when $OUT is unset.
 # Each step has its own time limit so one slow step cannot take the others' results with it. A device call
@@ -27,7 +27,7 @@ stamp=$(date -u +%Y%m%d)
 steps=${*:-tests-engine tests-verify tests-kernels tests-gdn tests-rest kernels decode prefill spec pd startup}
 rest_tests="(sampled_mtp or conv or kv_write or prompt_qkv or gates_from or library_gemms or swiglu)"
 # switch_ab NAME SWITCH RUNS BATCHES: the pool kernel's compiled tests, then `bench decode` at BATCHES with the env
-# switch set to each of RUNS in turn, one process each (r41, r42)
+# switch set to each of RUNS in turn, one process each (r41; r42's norm-sums A/B, since removed, ran it too)
 switch_ab() {
   timeout 200 python3 -m pytest -v -p no:warnings -m gpu tests/test_gpu.py -k "gdn_pool_kernel_compiled" \
     > "$dest/gpu-tests-$1_$stamp.txt" 2>&1
@@ -154,8 +154,6 @@ for step in $steps; do
     # r41: the pool kernel forming the gates from the in_proj product (steps of > 16 rows): its compiled tests,
     # then the decode step at batches 32, 64 and 128 with it off / on / off (one process each; POOL_RUNS)
     pool-gates) switch_ab pool-gates JAXGDN_POOL_GATES "${POOL_RUNS:-off on off}" "${POOL_BATCHES:-32 64 128}" ;;
-    # r42: the pool kernel's sums of squares for the gated norm (and batch 1 on the chain): tests, then on/off/on
-    norm-sums) switch_ab norm-sums JAXGDN_POOL_NORM_SUMS "${POOL_RUNS:-on off on}" "${POOL_BATCHES:-1 8 64}" ;;
     skinny-probe) timeout 500 python3 bench/probes/skinny_mosaic.py "$dest/skinny-mosaic-probe_gpu_$stamp.json" 64 1 8 \
                2>&1 | grep -v Warning ;;
     # r42: weight loads ahead of griddepcontrol.wait in a chain of Pallas GEMVs; the dump shows whether XLA adds

@@ -143,12 +143,11 @@ def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = 
     return GDNInputs(*split_qkv(cfg, u), g, beta, z, conv, mixed, z_source, z_offset, gates)
 
 
-def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False, square_sums=None):
+def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False):
     """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]. normed: o is already
-    the gated norm's output (the chunked kernel applied it); square_sums: the norm's reduction in parts
-    ([B, T, Hv, n], see `gated_rms_norm`)."""
+    the gated norm's output (the chunked kernel applied it)."""
     B, T = o.shape[:2]
-    y = o if normed else gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype, square_sums)
+    y = o if normed else gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
     return linear(y.reshape(B, T, -1), p.out_proj)
 
 

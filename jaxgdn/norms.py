@@ -93,24 +93,14 @@ class DeferredNorm:
         return y if row_scale is None else (y * row_scale).astype(self.x.dtype)
 
 
-def gated_rms_norm(o, z, weight, eps: float, out_dtype, square_sums=None):
+def gated_rms_norm(o, z, weight, eps: float, out_dtype):
     """GDN output norm, "norm before gate" with the plain weight w (not 1+w).
 
     o: [..., dv] core output; z: [..., dv] gate; weight: [dv]. HF casts the normalised value to the
     activation dtype before multiplying by w, then multiplies by silu(z) in fp32.
-    square_sums: [..., n] sums of upcast(o)² over n parts of the last axis, from the kernel that made o
-    (`gdn_recurrent_pooled(square_sums_in=...)`). Added part by part, they leave the norm elementwise, which
-    XLA fuses into the product that reads it, where a reduction over dv would be a kernel of its own.
     """
     o32 = upcast(o)
-    if square_sums is None:
-        mean_square = jnp.mean(o32 * o32, axis=-1, keepdims=True)
-    else:
-        total = square_sums[..., 0]
-        for i in range(1, square_sums.shape[-1]):
-            total = total + square_sums[..., i]
-        mean_square = (total / o.shape[-1])[..., None]
-    n = (o32 * jax.lax.rsqrt(mean_square + eps)).astype(out_dtype)
+    n = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)).astype(out_dtype)
     y = upcast(weight) * upcast(n)
     return (y * jax.nn.silu(upcast(z))).astype(out_dtype)
 

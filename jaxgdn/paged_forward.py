@@ -231,10 +231,6 @@ MIXER_MIN_ROWS = 2
 # batch 64 1.726 against 1.759 / 1.756 ms a step (off / on / off, bench/results/decode-pool-gates-*-r41_gpu_20261204.json).
 # `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
 POOL_KERNEL_GATES = env_switch("JAXGDN_POOL_GATES")
-# ... and hand the gated norm its sums of squares in parts (`gdn_recurrent_pooled(square_sums_in=...)`), so the
-# norm is elementwise and XLA may fuse it into out_proj's product, where its reduction was a kernel of its own.
-# `$JAXGDN_POOL_NORM_SUMS` ('on', the default, or 'off') switches it.
-POOL_KERNEL_NORM_SUMS = env_switch("JAXGDN_POOL_NORM_SUMS")
 
 
 def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
@@ -278,13 +274,12 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
         u, window = causal_conv_silu(mixed, start_window, p.conv1d, view.num_valid)
         conv = _write_conv(slots, view, window, conv_checkpoint_inputs(start_window, mixed, K) if K else None)
     rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
-    sums_in = h.dtype if POOL_KERNEL_NORM_SUMS else None
     if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
         gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
-        o, *sums, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates, square_sums_in=sums_in)
+        o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
     else:
-        o, *sums, ssm = gdn_recurrent_pooled(u, g, beta, *rows, square_sums_in=sums_in)
-    return gdn_output(p, cfg, o, z, h.dtype, square_sums=sums[0] if sums else None), GDNSlots(conv=conv, ssm=ssm)
+        o, ssm = gdn_recurrent_pooled(u, g, beta, *rows)
+    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
 
 
 def forward_paged(params: ModelParams, cfg: ModelConfig, input_ids, view: RowView, state: EngineState, gdn_impl: str,

@@ -166,17 +166,14 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
     return o, sT
 
 
-def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_offset, sums_dtype):
+def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_offset):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
     if b_offset is not None:  # the gates from the projection in place (`GateSource`)
         src_ref, alog_ref, dtb_ref, nvalid_ref, *refs = refs
     else:
         g_ref, beta_ref, *refs = refs
-    if sums_dtype is None:
-        slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref = refs
-    else:
-        slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, sums_ref, pool_ref = refs
+    slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref = refs
 
     # evict_first: the state is read once and written once, so its lines may leave L2 first
     hint = {"eviction_policy": "evict_first"} if evict_first else {}
@@ -204,9 +201,6 @@ def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_of
     def token(t, S):  # one token of the recurrence, its output row written
         S, o = _delta_step(qkv_ref[b, t, q_cols], qkv_ref[b, t, k_cols], qkv_ref[b, t, v_cols], *gates(t), scale, S)
         o_ref[b, t, h, cols] = o.astype(o_ref.dtype)
-        if sums_dtype is not None:  # the gated norm's sum of squares over this tile, of o as the norm reads it
-            o_read = o.astype(sums_dtype).astype(f32)
-            sums_ref[b, t, h, iv] = jnp.sum(o_read * o_read)
         return S
 
     if T == 1:  # verify or not, the state after the one token goes to checkpoint 0: one unmasked store
@@ -237,7 +231,7 @@ def pool_warps(T: int) -> int:
 
 
 def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interpret=None, num_warps: int | None = None,
-                         block_v: int | None = None, evict_first: bool = True, gates=None, square_sums_in=None):
+                         block_v: int | None = None, evict_first: bool = True, gates=None):
     """The decode / spec-verify recurrence reading and writing the engine's state pool in place.
 
     qkv [B, T, 2*Hk*dk + Hv*dv]: the conv output, q ‖ k ‖ v with heads contiguous (read in place: no
@@ -247,10 +241,7 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     write the final state to checkpoint 0.
     gates: a `GateSource` (g = beta = None): the kernel forms g and beta from the projection's b and a columns
     in place, as `jaxgdn.gdn.gdn_gates` and the padding mask do in XLA, where they were a kernel of their own.
-    square_sums_in: a dtype: the kernel also returns each program's sum of squares of its output tile as rounded to
-    that dtype, sums [B, T, Hv, dv // BV] fp32, the gated RMS norm's reduction in parts
-    (`norms.gated_rms_norm(square_sums=...)`), so the norm is elementwise and XLA can fuse it into out_proj's product.
-    Returns (o [B, T, Hv, dv] fp32, updated pool), or (o, sums, pool). Rows must use distinct slots (padding rows may share
+    Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
     load and stores (read once, written once): with 2 warps 3-7% faster on verify windows, within 1.5% on
@@ -267,18 +258,14 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
     gate_args = gate_kernel_args(g, beta, gates, B, T, Hv)
     kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5,
-                               evict_first=evict_first, b_offset=None if gates is None else gates.b_offset,
-                               sums_dtype=square_sums_in)
+                               evict_first=evict_first, b_offset=None if gates is None else gates.b_offset)
     args = (qkv, *gate_args, i32(slots), i32(start), i32(fresh), i32(verify), pool)
-    out_shape = [jax.ShapeDtypeStruct((B, T, Hv, dv), f32)]
-    if square_sums_in is not None:
-        out_shape.append(jax.ShapeDtypeStruct((B, T, Hv, dv // BV), f32))
-    out_shape.append(jax.ShapeDtypeStruct(pool.shape, pool.dtype))
-    return pl.pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=(B, Hv, dv // BV),
-        input_output_aliases={len(args) - 1: len(out_shape) - 1}, interpret=interpret_default(interpret),
+    o, pool = pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(B, Hv, dv // BV), input_output_aliases={len(args) - 1: 1}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps or pool_warps(T)),
     )(*args)
+    return o, pool
 
 
 # ----------------------------------------------------------------------------- chunked (prefill)

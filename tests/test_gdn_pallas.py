@@ -249,8 +249,7 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled", "pooled-gates",
-                                    "pooled-gates-sums"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled", "pooled-gates"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
@@ -269,12 +268,11 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
         pool, slots = jnp.zeros((3, 2, 4, 128, 128)), jnp.array([2])
         flag = jnp.array([True])
         gates = None
-        if kernel.startswith("pooled-gates"):  # g and beta formed from a projection's b and a columns in the kernel
+        if kernel == "pooled-gates":  # g and beta formed from a projection's b and a columns in the kernel
             gates = GateSource(jnp.ones((1, 70, 16), jnp.bfloat16), 8, jnp.ones(4), jnp.ones(4), jnp.array([60]))
-        sums_in = jnp.bfloat16 if kernel.endswith("sums") else None  # the gated norm's sums of squares too
         fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(  # noqa: E731
             pack_qkv(q, k, v), None if gates else g, None if gates else b, pool, slots, slots - 1, flag, flag,
-            interpret=False, gates=gates, square_sums_in=sums_in)
+            interpret=False, gates=gates)
     text = jax.jit(fn).trace(bf(q), bf(k), bf(v), g, beta, s0).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 
@@ -328,9 +326,8 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, from_pr
     """Rows read pool[slot, start] (zeros when fresh); verify rows write the state after each window
     position to checkpoints 0..min(T, W)-1, other rows write their final state to checkpoint 0; other
     slots and checkpoints are untouched. Rows alternate verify / not, every third is fresh; errors are
-    relative to the largest reference value. options: the kernel's keywords (program shape, square_sums_in:
-    each dv tile's sum of squares of o rounded to that dtype); from_product: the kernel forms g and beta from
-    an in_proj product's b and a columns (row 1 padded after one token)."""
+    relative to the largest reference value. options: the kernel's program-shape keywords; from_product: the
+    kernel forms g and beta from an in_proj product's b and a columns (row 1 padded after one token)."""
     from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
 
     q, k, v, g, beta, _ = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=5 + T)
@@ -342,17 +339,10 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, from_pr
     if from_product:  # b and a in an in_proj product, the gates formed in the kernel (`gates_in_product`)
         gates, g, beta = gates_in_product(g, beta, T, rng)
         run = jax.jit(lambda qkv, *a: gdn_recurrent_pooled(qkv, None, None, *a, **options, gates=gates))
-        o, *sums, new = run(pack_qkv(q, k, v), pool, slots, start, fresh, verify)
+        o, new = run(pack_qkv(q, k, v), pool, slots, start, fresh, verify)
     else:
         run = jax.jit(lambda *a: gdn_recurrent_pooled(*a, **options))
-        o, *sums, new = run(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
-    sums_in = options.get("square_sums_in")
-    assert len(sums) == (sums_in is not None)
-    if sums:  # each tile's sum of squares of o as rounded to sums_in, from the kernel's own o
-        parts = sums[0].shape[-1]
-        assert sums[0].shape == (B, T, Hv, parts) and parts > 1 and dv % parts == 0
-        o_read = np.asarray(o.astype(sums_in).astype(jnp.float32)).reshape(B, T, Hv, parts, dv // parts)
-        np.testing.assert_allclose(np.asarray(sums[0]), (o_read**2).sum(-1), rtol=1e-5)
+        o, new = run(pack_qkv(q, k, v), g, beta, pool, slots, start, fresh, verify)
     expect = np.asarray(pool).copy()
     rel = lambda a, b: max_err(a, b) / max(float(jnp.abs(b).max()), 1.0)  # noqa: E731
     with jax.default_matmul_precision("highest"):
@@ -369,30 +359,12 @@ def check_pooled_kernel(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3, tol=1e-5, from_pr
 
 @pytest.mark.parametrize("T, options", [(3, {}), (1, {}), (4, {}),
                                         (3, {"block_v": 16, "evict_first": False, "num_warps": 4}),
-                                        (1, {"from_product": True}), (3, {"from_product": True}),
-                                        (1, {"square_sums_in": jnp.bfloat16, "block_v": 16}),
-                                        (3, {"square_sums_in": jnp.float32, "from_product": True, "block_v": 16})])
+                                        (1, {"from_product": True}), (3, {"from_product": True})])
 def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options):
     """See check_pooled_kernel. T = 1 (decode) has its own store path; T = 4 runs past the 3 checkpoints
     (a verify row keeps the first 3); the options (a narrower dv tile, no cache hints, 4 warps at T = 3)
-    change only how the kernel runs; from_product: the gates formed in the kernel, as the engine's chain does;
-    square_sums_in: the gated norm's sums of squares by dv tile beside o."""
+    change only how the kernel runs; from_product: the gates formed in the kernel, as the engine's chain does."""
     check_pooled_kernel(T, **options)
-
-
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-def test_gated_norm_from_square_sums_in_parts_equals_the_plain_norm(dtype, tol):
-    """The pool kernel's sums of squares by dv tile (4 parts here) in place of the norm's own reduction."""
-    from jaxgdn.norms import gated_rms_norm
-
-    rng = np.random.default_rng(3)
-    o, z = (jnp.asarray(rng.standard_normal((2, 3, 4, 32)), dtype) for _ in range(2))
-    weight = jnp.asarray(rng.standard_normal(32), dtype)
-    o32 = o.astype(jnp.float32)
-    sums = (o32 * o32).reshape(2, 3, 4, 4, 8).sum(-1)
-    want = gated_rms_norm(o, z, weight, 1e-6, dtype).astype(jnp.float32)
-    got = gated_rms_norm(o, z, weight, 1e-6, dtype, square_sums=sums).astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
 
 
 def test_engine_with_pool_kernel_equals_plain_greedy():
