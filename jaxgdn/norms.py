@@ -69,16 +69,12 @@ class DeferredNorm:
     def reshape(self, *shape):
         return DeferredNorm(self.x.reshape(*shape), self.inv_rms.reshape(*shape[:-1], 1))
 
-    @property
-    def post_scaled(self) -> bool:
-        """Whether products scale their output rows (at most POST_SCALE_MAX_TOKENS tokens), not their input."""
-        return self.x.size // self.x.shape[-1] <= POST_SCALE_MAX_TOKENS
-
     def product_parts(self, w):
         """(x / rms(x)) @ w.T for w [out, H] as (y, row_scale): y [..., out] fp32 and row_scale the 1/rms
         [..., 1] when tokens <= POST_SCALE_MAX_TOKENS (the product is (y * row_scale) in x.dtype: a kernel
         reading y may apply the scale itself), else y in x.dtype, the product of the scaled rows, and None."""
-        if self.post_scaled:
+        tokens = self.x.size // self.x.shape[-1]
+        if tokens <= POST_SCALE_MAX_TOKENS:
             wide = jnp.promote_types(self.x.dtype, jnp.float32)
             # The barrier makes the GEMV read x as stored: without it XLA fuses the residual add(s) that
             # produce x into each GEMV's reduction, which recomputes them per output. Batch 1 on the H200:

@@ -34,7 +34,7 @@ from .gdn import causal_conv_silu, conv_checkpoint_inputs, gdn_layer, gdn_output
 from .mlp import linear, linear_parts
 from .model import residual_block
 from .mtp import mtp_fc_input
-from .norms import DeferredNorm, rms_norm_1p
+from .norms import rms_norm_1p
 from .params import ModelParams
 from .pytree import pytree_dataclass
 from .rope import rope_cos_sin
@@ -241,15 +241,6 @@ def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) 
             and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
-def kernels_scale_the_product(p, cfg: ModelConfig, h) -> bool:
-    """Whether the chain's conv and pool kernels read the in_proj product in fp32 and apply the folded norm's
-    1/rms themselves (r42): h a post-scaled DeferredNorm (one token), fused weights, the gates in the pool
-    kernel and the conv kernel. XLA then runs no scale-and-cast kernel on the product (1.25 us a GDN layer at
-    batch 1, bench/results/decode-kernels-norm-sums-off-r42-probe_gpu_20261204.json: loop_convert_fusion_71)."""
-    return (isinstance(h, DeferredNorm) and h.post_scaled and p.fused is not None and POOL_KERNEL_GATES
-            and conv_kernel_supports(cfg.conv_dim))
-
-
 def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, gdn_impl: str,
              fused_decode: bool = True):
     """The GDN layer over [R, Q] rows starting from and committing to the slot pool.
@@ -274,24 +265,17 @@ def gdn_rows(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepte
                                           slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
                                           view.verify_path, view.num_valid, dtype=h.dtype)
         return linear(out, p.out_proj), GDNSlots(conv=conv, ssm=ssm)
-    row_scale = None
-    if kernels_scale_the_product(p, cfg, h):  # the conv and pool kernels read the fp32 product and scale it
-        source, row_scale = linear_parts(h, p.fused)
-        z_cols = source[..., cfg.conv_dim : cfg.conv_dim + cfg.linear_value_dim]  # XLA scales it in the gated norm
-        z = (z_cols * row_scale).astype(h.dtype).reshape(*h.shape[:2], cfg.linear_num_value_heads, -1)
-    else:
-        source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
+    source, mixed, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
     if conv_kernel_supports(cfg.conv_dim):  # the conv's window read, compute and write in one kernel
         u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,
-                                     view.verify_path, view.num_valid, row_scale=row_scale, dtype=h.dtype)
+                                     view.verify_path, view.num_valid)
     else:
         start_window = _read_conv(slots, view, offset, kc)
         u, window = causal_conv_silu(mixed, start_window, p.conv1d, view.num_valid)
         conv = _write_conv(slots, view, window, conv_checkpoint_inputs(start_window, mixed, K) if K else None)
     rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
     if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
-        gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid,
-                           row_scale, h.dtype)
+        gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
         o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
     else:
         o, ssm = gdn_recurrent_pooled(u, g, beta, *rows)

@@ -9,13 +9,11 @@ channel block), each program owning its channels, so reading the old window and 
 place never races.
 
     x      [B, T, >=C]     pre-conv inputs q‖k‖v in channels [0, C) (the fused projection's whole output
-                           may be passed: its other channels are never read, and no sliced copy is made);
-                           with row_scale [B, T, 1] fp32 (the folded norm's 1/rms, `causal_conv_pooled` only)
-                           x is the fp32 product and the kernel forms the inputs (x * row_scale) in `dtype`
+                           may be passed: its other channels are never read, and no sliced copy is made)
     weight [C, 1, Kc]      depthwise taps, tap Kc-1 on the current token
     pool   [S, Kc-1+K, C]  conv-window pool; a row's window is at checkpoint offset `start`
     slots, start, fresh, verify, num_valid [B]
-    -> (silu(conv) [B, T, C] in x.dtype (in dtype with row_scale), updated pool)
+    -> (silu(conv) [B, T, C] in x.dtype, updated pool)
 
 Semantics (those of `jaxgdn.paged_forward`'s XLA path, which the tests compare against): with
 full = [window ‖ x[:T]] (window zeros for a fresh row), output t is silu(Σ_j full[t+j] · w[:, j]) in fp32;
@@ -32,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .common import interpret_default, product_rows, triton_params
+from .common import interpret_default, triton_params
 
 f32 = jnp.float32
 MAX_CHANNEL_BLOCK = 256
@@ -50,15 +48,14 @@ def _channel_block(channels: int) -> int:
     return bc
 
 
-def _conv_kernel(x_ref, *refs, T, Kc, BC, scaled):
+def _conv_kernel(x_ref, w_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _pool_in, o_ref, pool_ref,
+                 *, T, Kc, BC):
     b, ic = pl.program_id(0), pl.program_id(1)
-    read, refs = product_rows(x_ref, refs, scaled, b, dtype=refs[-2].dtype)  # x as the output's dtype holds it
-    w_ref, slot_ref, start_ref, fresh_ref, verify_ref, nvalid_ref, _pool_in, o_ref, pool_ref = refs
     cols = pl.ds(ic * BC, BC)
     slot, start = slot_ref[b], start_ref[b]
     fresh = fresh_ref[b] != 0
-    window = [jnp.where(fresh, 0, pool_ref[slot, start + i, cols]).astype(o_ref.dtype) for i in range(Kc - 1)]
-    full = window + [read(t, cols) for t in range(T)]  # Kc-1+T rows of [BC]; T is small and static
+    window = [jnp.where(fresh, 0, pool_ref[slot, start + i, cols]).astype(x_ref.dtype) for i in range(Kc - 1)]
+    full = window + [x_ref[b, jnp.int32(t), cols] for t in range(T)]  # Kc-1+T rows of [BC]; T is small and static
     for t, out in enumerate(conv_silu_rows(full, w_ref, cols, T)):
         o_ref[b, jnp.int32(t), cols] = out.astype(o_ref.dtype)
     # Every load above precedes these stores in the program, and no other program touches these channels.
@@ -103,26 +100,22 @@ def store_windows(pool_ref, slot, cols, full, Kc: int, T: int, n, verify):
 
 
 def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, verify, num_valid, interpret=None,
-                       num_warps: int = 4, row_scale=None, dtype=None):
+                       num_warps: int = 4):
     """Causal conv + SiLU of rows starting from their window in the pool; writes the new windows in place.
-    Shapes and semantics in the module docstring (row_scale, dtype: x is the fp32 product of a folded norm's
-    rows, scaled and rounded to dtype here). Rows must use distinct slots (padding rows may share the null
-    slot: what they write there is never read)."""
+    Shapes and semantics in the module docstring. Rows must use distinct slots (padding rows may share the
+    null slot: what they write there is never read)."""
     B, T, _ = x.shape
     Kc = weight.shape[-1]
     assert conv_kernel_supports(channels), channels
     assert pool.shape[2] == channels and pool.shape[1] >= Kc - 1, (pool.shape, channels, Kc)
     BC = _channel_block(channels)
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
-    kernel = functools.partial(_conv_kernel, T=T, Kc=Kc, BC=BC, scaled=row_scale is not None)
-    scale = () if row_scale is None else (row_scale.astype(f32),)
-    args = (x, *scale, weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid), pool)
-    out_dtype = x.dtype if row_scale is None else (dtype or x.dtype)
+    kernel = functools.partial(_conv_kernel, T=T, Kc=Kc, BC=BC)
     return pl.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, channels), out_dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(B, channels // BC), input_output_aliases={len(args) - 1: 1}, interpret=interpret_default(interpret),
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, T, channels), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(B, channels // BC), input_output_aliases={7: 1}, interpret=interpret_default(interpret),
         compiler_params=triton_params(num_warps),
-    )(*args)
+    )(x, weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid), pool)
 
 
 # ----------------------------------------------------------------------------- whole prompts (prefill)

@@ -36,14 +36,14 @@ Triton needs power-of-two tiles: dk and dv are zero-padded up to one (exactly a 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .common import interpret_default, product_rows, triton_params
+from .common import interpret_default, triton_params
 
 CHUNK = 64  # tokens per chunk of the chunked form
 SUB = 16  # rows per block of the in-chunk triangular solve (Triton's smallest dot tile)
@@ -166,14 +166,11 @@ def gdn_recurrent_pallas(q, k, v, g, beta, initial_state=None, keep_states: bool
     return o, sT
 
 
-def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_offset, gate_dtype):
+def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_offset):
     from jax.experimental.pallas import triton as plt  # masked stores (also in interpret mode)
 
     if b_offset is not None:  # the gates from the projection in place (`GateSource`)
-        src_ref, *refs = refs
-        read_src, refs = product_rows(src_ref, refs, gate_dtype is not None, pl.program_id(0),
-                                      dtype=gate_dtype or src_ref.dtype)
-        alog_ref, dtb_ref, nvalid_ref, *refs = refs
+        src_ref, alog_ref, dtb_ref, nvalid_ref, *refs = refs
     else:
         g_ref, beta_ref, *refs = refs
     slot_ref, start_ref, fresh_ref, verify_ref, _pool_in, o_ref, pool_ref = refs
@@ -196,8 +193,8 @@ def _pooled_kernel(qkv_ref, *refs, T, W, group, dk, BV, scale, evict_first, b_of
         if b_offset is None:
             return g_ref[b, t, h], beta_ref[b, t, h]
         Hv = o_ref.shape[2]
-        g, beta = gate_values(read_src(t, b_offset + h), read_src(t, b_offset + Hv + h), alog_ref[h], dtb_ref[h],
-                              gate_dtype or src_ref.dtype)
+        g, beta = gate_values(src_ref[b, t, b_offset + h], src_ref[b, t, b_offset + Hv + h], alog_ref[h], dtb_ref[h],
+                              src_ref.dtype)
         real = t < nvalid_ref[b]  # padded steps neither decay nor write
         return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
 
@@ -259,11 +256,9 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     BV = block_v or _value_block(dv, B * Hv)
     assert dv % BV == 0 and BV >= 16, (dv, BV)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
-    gate_args = gate_kernel_args(g, beta, gates, B, T, Hv, row_scale_ok=True)
-    gate_dtype = None if gates is None or gates.row_scale is None else jnp.dtype(gates.dtype)
+    gate_args = gate_kernel_args(g, beta, gates, B, T, Hv)
     kernel = functools.partial(_pooled_kernel, T=T, W=W, group=Hv // Hk, dk=dk, BV=BV, scale=dk**-0.5,
-                               evict_first=evict_first, b_offset=None if gates is None else gates.b_offset,
-                               gate_dtype=gate_dtype)
+                               evict_first=evict_first, b_offset=None if gates is None else gates.b_offset)
     args = (qkv, *gate_args, i32(slots), i32(start), i32(fresh), i32(verify), pool)
     o, pool = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((B, T, Hv, dv), f32), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
@@ -519,36 +514,28 @@ class GateSource(NamedTuple):
 
     source [B, T, N]: value head h's b at column b_offset + h and its a at b_offset + Hv + h (the fused
     projection's whole product); A_log, dt_bias [Hv]; num_valid [B] real tokens per row (steps past it
-    get g = beta = 0) or None (all T). row_scale [B, T, 1] fp32 and dtype (the pool kernel only): source is
-    the fp32 product of a folded norm's rows, whose b and a the kernel scales and rounds to dtype first, as
-    `norms.DeferredNorm.product` would."""
+    get g = beta = 0) or None (all T)."""
 
     source: jax.Array
     b_offset: int
     A_log: jax.Array
     dt_bias: jax.Array
     num_valid: jax.Array | None = None
-    row_scale: jax.Array | None = None
-    dtype: Any = None
 
 
-def gate_kernel_args(g, beta, gates: GateSource | None, B: int, T: int, Hv: int, row_scale_ok: bool = False) -> tuple:
+def gate_kernel_args(g, beta, gates: GateSource | None, B: int, T: int, Hv: int) -> tuple:
     """A kernel's gate arguments: (g, beta) in fp32, or with gates (g = beta = None) the GateSource's source,
-    its row_scale (fp32, when given: only where row_scale_ok), A_log, dt_bias and num_valid (int32, at most T;
-    T when None), checked against [B, T] rows and Hv heads."""
+    A_log, dt_bias and num_valid (int32, at most T; T when None), checked against [B, T] rows and Hv heads."""
     if gates is None:
         return g.astype(f32), beta.astype(f32)
     if g is not None or beta is not None:
         raise ValueError("gates= computes g and beta in the kernel: pass g = beta = None")
-    if gates.row_scale is not None and not (row_scale_ok and gates.dtype is not None):
-        raise ValueError("GateSource.row_scale: only the pool kernel applies it, and it needs GateSource.dtype")
     src_shape = gates.source.shape
     if src_shape[:2] != (B, T) or not 0 <= gates.b_offset <= src_shape[2] - 2 * Hv:
         raise ValueError(f"GateSource: source {src_shape} has no [{B}, {T}] rows with b and a columns at "
                          f"{gates.b_offset} .. {gates.b_offset + 2 * Hv}")
     n = jnp.full((B,), T, jnp.int32) if gates.num_valid is None else jnp.minimum(gates.num_valid, T)
-    scale = () if gates.row_scale is None else (gates.row_scale.astype(f32),)
-    return gates.source, *scale, gates.A_log, gates.dt_bias, n.astype(jnp.int32)
+    return gates.source, gates.A_log, gates.dt_bias, n.astype(jnp.int32)
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,

@@ -81,21 +81,6 @@ def test_mixer_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
     assert_same_rows(got, want, view, 2e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-@pytest.mark.parametrize("T, K, dtype", [(1, 0, jnp.bfloat16), (2, 1, jnp.float32)])
-def test_chain_kernels_scale_the_product_as_xla_did(monkeypatch, T, K, dtype):
-    """One row's chain at one token a product (POST_SCALE_MAX_TOKENS; here T tokens): the conv and pool kernels
-    read the fp32 in_proj product and apply the folded norm's 1/rms themselves (r42), against the chain with
-    XLA's scale-and-cast kernel in front of them: the same values."""
-    monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 6 * T)
-    cfg, p, x, view, slots, num_accepted = mixer_case(T, K, dtype, seed=21 + T)
-    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
-    assert paged_forward.kernels_scale_the_product(p, cfg, h)
-    got = run_rows(False, cfg, p, h, view, slots, num_accepted)
-    monkeypatch.setattr(paged_forward, "kernels_scale_the_product", lambda *a: False)
-    want = run_rows(False, cfg, p, h, view, slots, num_accepted)
-    assert_same_rows(got, want, view, 1e-6)
-
-
 def test_mixer_kernel_runs_where_its_tiles_and_weights_allow():
     cfg, p, *_ = mixer_case(1, 0, jnp.float32)
     lo, hi = paged_forward.MIXER_MIN_ROWS, paged_forward.MIXER_MAX_ROWS

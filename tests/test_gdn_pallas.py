@@ -249,8 +249,7 @@ def test_pallas_impls_are_registered():
         assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled", "pooled-gates",
-                                    "pooled-gates-scaled"])
+@pytest.mark.parametrize("kernel", ["chunked", "chunked-gated", "recurrent", "pooled", "pooled-gates"])
 def test_kernels_lower_to_triton_without_a_gpu(kernel):
     """Lowering for CUDA runs the Pallas Triton lowering on CPU: a primitive Triton cannot express fails
     here, in CI, instead of on the device."""
@@ -271,9 +270,6 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
         gates = None
         if kernel == "pooled-gates":  # g and beta formed from a projection's b and a columns in the kernel
             gates = GateSource(jnp.ones((1, 70, 16), jnp.bfloat16), 8, jnp.ones(4), jnp.ones(4), jnp.array([60]))
-        if kernel == "pooled-gates-scaled":  # ... of an fp32 product, scaled and rounded in the kernel
-            gates = GateSource(jnp.ones((1, 70, 16)), 8, jnp.ones(4), jnp.ones(4), jnp.array([60]),
-                               jnp.ones((1, 70, 1)), jnp.bfloat16)
         fn = lambda q, k, v, g, b, _: gdn_recurrent_pooled(  # noqa: E731
             pack_qkv(q, k, v), None if gates else g, None if gates else b, pool, slots, slots - 1, flag, flag,
             interpret=False, gates=gates)
@@ -369,47 +365,6 @@ def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options
     (a verify row keeps the first 3); the options (a narrower dv tile, no cache hints, 4 warps at T = 3)
     change only how the kernel runs; from_product: the gates formed in the kernel, as the engine's chain does."""
     check_pooled_kernel(T, **options)
-
-
-def check_pooled_gates_scale_the_product(T, B=4, Hk=2, Hv=4, dk=16, dv=32, W=3):
-    """GateSource.row_scale: the pool kernel reads b and a from an fp32 product and a 1/rms per token and scales
-    and rounds them (bf16) itself: bit for bit the kernel on the product scaled and rounded first."""
-    from pallas_kernels.gdn_pallas import gdn_recurrent_pooled
-
-    q, k, v, _, _, _ = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=7 + T)
-    rng = np.random.default_rng(2)
-    pool = jnp.asarray(rng.standard_normal((B + 2, W, Hv, dk, dv)), jnp.float32)
-    rows = (jnp.asarray(rng.permutation(B + 2)[:B]), jnp.asarray(rng.integers(0, W, B)), jnp.arange(B) % 3 == 2,
-            jnp.arange(B) % 2 == 0)
-    y = jnp.asarray(rng.standard_normal((B, T, 5 + 2 * Hv)), jnp.float32)
-    row_scale = jnp.asarray(rng.uniform(0.2, 3.0, (B, T, 1)), jnp.float32)
-    A_log, dt_bias = (jnp.asarray(rng.standard_normal(Hv), jnp.float32) for _ in range(2))
-    num_valid = jnp.asarray([T, 1] + [T] * (B - 2))
-    run = lambda gates: jax.jit(  # noqa: E731 - gates closed over: b_offset and dtype are static
-        lambda: gdn_recurrent_pooled(pack_qkv(q, k, v), None, None, pool, *rows, gates=gates))()
-    o_ref, pool_ref = run(GateSource((y * row_scale).astype(jnp.bfloat16), 3, A_log, dt_bias, num_valid))
-    o, new_pool = run(GateSource(y, 3, A_log, dt_bias, num_valid, row_scale, jnp.bfloat16))
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-    np.testing.assert_array_equal(np.asarray(new_pool), np.asarray(pool_ref))
-
-
-@pytest.mark.parametrize("T", [1, 3])
-def test_pooled_kernel_scales_the_products_gate_columns_itself(T):
-    check_pooled_gates_scale_the_product(T)
-
-
-def test_only_the_pool_kernel_takes_a_row_scale_in_its_gate_source():
-    """The chunked prep kernel reads b and a as stored: a GateSource with a row scale is an error there, as is
-    one without the dtype to round to."""
-    from pallas_kernels.gdn_pallas import gate_kernel_args
-
-    y = jnp.zeros((1, 2, 8))
-    scaled = GateSource(y, 0, jnp.zeros(2), jnp.zeros(2), None, jnp.ones((1, 2, 1)), jnp.bfloat16)
-    assert len(gate_kernel_args(None, None, scaled, 1, 2, 2, row_scale_ok=True)) == 5
-    with pytest.raises(ValueError, match="row_scale"):
-        gate_kernel_args(None, None, scaled, 1, 2, 2)
-    with pytest.raises(ValueError, match="dtype"):
-        gate_kernel_args(None, None, scaled._replace(dtype=None), 1, 2, 2, row_scale_ok=True)
 
 
 def test_engine_with_pool_kernel_equals_plain_greedy():

@@ -363,17 +363,6 @@ def test_conv_kernel_compiled_equals_the_xla_path(T, K):
     np.testing.assert_array_equal(f32(pool)[1:], f32(pool_ref)[1:])
 
 
-@pytest.mark.parametrize("T, K", [(1, 0), (3, 2)])
-def test_conv_and_pool_kernels_compiled_scale_the_product_as_xla_did(T, K):
-    """r42: the conv kernel (C = 6144) and the pool kernel's gates (0.8B widths) reading the fp32 in_proj product
-    and its 1/rms, compiled: bit for bit the kernels on the product scaled and rounded to bf16 first."""
-    from test_conv_pallas import check_conv_kernel_scales_the_product
-    from test_gdn_pallas import check_pooled_gates_scale_the_product
-
-    check_conv_kernel_scales_the_product(T, K, C=6144)
-    check_pooled_gates_scale_the_product(T, B=4, Hk=16, Hv=16, dk=128, dv=128, W=4)
-
-
 @pytest.mark.parametrize("T", [300, 2048])
 def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
     """The Triton-lowered whole-prompt conv at the 0.8B widths (q, k, v of 2048 channels, bf16, read out

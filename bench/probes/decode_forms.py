@@ -18,9 +18,6 @@ FORM is one of
                r23's one kernel (EngineConfig.fused_decode_kernels=False turns off both)
     head-attention the decode attention kernel's per-query-head form for every step (r23-r24's rule) instead of
                r25's grouped, split form for steps of >= 16 rows or block tables of >= 256 keys
-    xla-prescale   one-row steps' GDN chain with XLA's scale-and-cast kernel on the in_proj product
-               (`paged_forward.kernels_scale_the_product` patched to say no) instead of r42's conv and pool
-               kernels applying the folded norm's 1/rms themselves
 Run on 2026-12-02 (r22, as bench/probes/fold_forms.py) before the barrier was the default, as "barrier" (then
 the default), "folded" (now "no-barrier") and "bf16-out" without the barrier: fold-forms-*-probe_gpu_20261202.json.
 Each form times the engine's decode step (`engine_decode_ms`, 0.8B config, random bf16 weights; the shipped
@@ -39,8 +36,7 @@ from jaxgdn.bench.model import engine_decode_ms, load_model
 from pallas_kernels import decode_attention
 from pallas_kernels.common import on_gpu
 
-FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer", "xla-attention", "head-attention",
-         "xla-prescale")
+FORMS = ("default", "unfolded", "no-barrier", "bf16-out", "unfused-mixer", "xla-attention", "head-attention")
 
 
 def _product_form(form: str):
@@ -70,8 +66,6 @@ def main(form: str, out_path: str | None, batches=(1, 8)):
     # these up at trace time, and this process traces each program once.
     if form == "unfused-mixer":
         paged_forward.use_mixer_kernel = lambda *args, **kwargs: False
-    if form == "xla-prescale":
-        paged_forward.kernels_scale_the_product = lambda *args, **kwargs: False
     if form == "xla-attention":
         paged_forward.use_decode_attention_kernel = lambda *args, **kwargs: False
     if form == "head-attention":
