@@ -219,11 +219,13 @@ def write_gdn_state(slots: GDNSlots, view: RowView, new: GDNState, checkpoints: 
 # rows: alone 46.3 us a layer at batch 64 against the chain's ~41; in the step, mixer up to 128 rows, batch 64
 # 1.763 against 1.717 ms (gdn-mixer-blocks-probe-r40, decode-forms-*-r40_gpu_20261204.json).
 MIXER_MAX_ROWS = 16
-# One row (batch 1 decode, or one verify window) runs the chain since r42: with the gates in the pool kernel (r41)
-# the chain's kernels take less than the mixer's 16 programs (one a head): batch 1 0.775 / 0.770 ms a step against
-# 0.793 / 0.794 with the mixer; batch 8 1.009 / 1.010 against 0.992 / 0.989, batch 16 1.155 / 1.153 against
-# 1.143 / 1.139 (default / unfused-mixer forms in turn, one process each: decode-forms-*-r42_gpu_20261204.json).
-MIXER_MIN_ROWS = 2
+# Steps of fewer rows run the chain since r42: with the gates in the pool kernel (r41) the chain's kernels, which
+# split dv over programs, take less there than the mixer's one program a (row, head). Decode steps on the chain
+# against the mixer, one process each (device ms): batch 1 0.791 / 0.797 against 0.820 / 0.821, batch 2 0.929
+# against 0.948, batch 4 0.968 against 0.980; batch 8 1.039 / 1.038 against 1.025 / 1.022, batch 16 1.185 / 1.184
+# against 1.169 / 1.170 (bench/results/decode-forms-*-r42{,b}_gpu_20261204.json). 5 to 7 rows are not measured:
+# the bound splits the gap.
+MIXER_MIN_ROWS = 6
 
 # Steps of the unfused chain (more than MIXER_MAX_ROWS rows) with fused weights form the gates g and beta inside
 # the pool kernel from the product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a
