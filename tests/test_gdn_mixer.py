@@ -86,7 +86,7 @@ def test_mixer_kernel_runs_where_its_tiles_and_weights_allow():
     lo, hi = paged_forward.MIXER_MIN_ROWS, paged_forward.MIXER_MAX_ROWS
     assert use_mixer_kernel(p, cfg, lo) and use_mixer_kernel(p, cfg, hi)
     assert not use_mixer_kernel(p, cfg, hi + 1)  # larger steps: the chain's kernels
-    assert not use_mixer_kernel(p, cfg, lo - 1)  # one row: the chain's kernels too (r42)
+    assert not use_mixer_kernel(p, cfg, lo - 1)  # smaller steps: the chain's kernels too (r42)
     assert not use_mixer_kernel(dataclasses.replace(p, fused=None), cfg, lo)  # b and a must sit in the product
     assert not use_mixer_kernel(p, cfg, lo, fused_decode=False)  # switched off
     assert mixer_kernel_supports(128, 128) and not mixer_kernel_supports(24, 32)
