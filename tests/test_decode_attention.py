@@ -201,6 +201,8 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
                         counted("attention", paged_forward.decode_attention_pooled))
     monkeypatch.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
     use_form(monkeypatch, form or "head")
+    # three requests: steps of 1-3 rows, which run the GDN chain by default (MIXER_MIN_ROWS); the mixer from one row
+    monkeypatch.setattr(paged_forward, "MIXER_MIN_ROWS", 1)
     if form == "split":  # rows of at most 4 pages: one-page tiles, a split for each
         monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
         monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
