@@ -34,7 +34,7 @@ from pallas_kernels.common import triton_params
 
 f32 = jnp.float32
 HIDDEN, WIDE = 1024, 4096
-PAIRS = int(os.environ.get("PDL_PROBE_PAIRS", 24))  # 48 products of 8 MB: 384 MB a call
+PAIRS = int(os.environ.get("PDL_PROBE_PAIRS", 24))  # 48 products of 8 MiB: 384 MiB a call
 FORMS = ("xla", "plain", "wait", "prefetch", "prefetch_notrigger")
 
 
@@ -115,9 +115,8 @@ def main(out_path=None):
     weight_bytes = sum(w.size * 2 for w in ws)
     ref = jax.jit(functools.partial(chain, form="xla"))(x, ws).astype(f32)
     rows = []
-    settings = [(f, 128, 8) for f in FORMS] + [(f, 256, 4) for f in FORMS[1:]]
-    if interpret:
-        settings = [(f, 8, 4) for f in FORMS]
+    settings = ([(f, 8, 4) for f in FORMS] if interpret  # programs, warps
+                else [(f, 128, 8) for f in FORMS] + [(f, 256, 4) for f in FORMS[1:]])
     for form, programs, warps in settings:
         row = {"form": form, "programs": programs, "warps": warps, "products": len(ws),
                "weight_mb_per_call": round(weight_bytes / 1e6, 1)}
