@@ -18,12 +18,15 @@ import numpy as np
 from .cache import init_engine_state, resolve_num_kv_pages
 from .config import ModelConfig
 from .engine_config import EngineConfig
-from .input_batch import build_step
+from pallas_kernels.ragged_attention import block_queries
+
+from .input_batch import BlockTables, StepArrays, build_step, empty_step
 from .params import ModelParams, serving_layout
 from .pd import export_handoff, import_handoff
+from .programs import ProgramSet, StepShape
 from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind,
                       SamplingParams)
-from .runner import ModelRunner, PendingStep, enable_compilation_cache
+from .runner import ModelRunner, PendingStep, enable_compilation_cache, pack_step_arrays
 from .scheduler import Scheduler, SchedulerOutput
 
 
@@ -80,6 +83,32 @@ class LLMEngine:
         platform = device.platform if device is not None else jax.default_backend()
         self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.num_launches = 0
+        self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
+        self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
+        self.block_q = block_queries(cfg.num_attention_heads, cfg.num_key_value_heads)
+
+    # ------------------------------------------------------------------------------------ programs
+    def program_keys(self, sampled: bool = True) -> list[tuple]:
+        """The runner's keys of every step program this engine may run: each shape of `programs`, greedy
+        and (sampled) with temperature rows."""
+        keys = []
+        for shape in self.programs.all_shapes():
+            _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
+            keys += [(layout, stochastic, shape.num_steps, shape.width) for stochastic in (False, True)[: 1 + sampled]]
+        return keys
+
+    def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
+        """Compile every step program now (see program_keys); later compiles count as compiles after
+        start-up (`compiles_after_startup`). Returns the number compiled."""
+        before = self.runner.num_compiles
+        self.runner.precompile(self.program_keys(sampled), on_compiled)
+        self.runner.started = True
+        return self.runner.num_compiles - before
+
+    @property
+    def compiles_after_startup(self) -> int:
+        """Step programs compiled after precompile (0 when every step ran on a start-up program)."""
+        return self.runner.compiles_after_startup
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -161,9 +190,9 @@ class LLMEngine:
         num_steps = 1
         if self.K and self.draft_override is None and not self.ecfg.pd:
             num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
-        arrays = self._prepare(out)
-        results = ([self.runner.run(arrays)] if num_steps == 1
-                   else self.runner.fetch(self.runner.dispatch(arrays, num_steps)))
+        arrays, shape = self._prepare(out, num_steps=num_steps)
+        results = ([self.runner.run(arrays)] if num_steps == 1  # a ragged program
+                   else self.runner.fetch(self.runner.dispatch(arrays, num_steps, shape.width)))
         self.num_steps += num_steps
         self.num_launches += 1
         now = time.perf_counter()
@@ -211,9 +240,11 @@ class LLMEngine:
             raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
         return out
 
-    def _prepare(self, out: SchedulerOutput, rebase: list[bool] | None = None):
-        """Import admitted PD handoffs into their fresh slots and build the step's host arrays (rebase: see
-        build_step)."""
+    def _prepare(self, out: SchedulerOutput, rebase: list[bool] | None = None,
+                 num_steps: int = 1) -> tuple[StepArrays, StepShape]:
+        """Import admitted PD handoffs into their fresh slots and build the step's host arrays in the shape
+        of its program: a uniform program for a launch of num_steps > 1, else the ragged program of its
+        tokens and rows (rebase: see build_step)."""
         for row in out.rows:
             req = row.request
             self.slot_prefill_len[req.slot] = req.prefill_len
@@ -222,9 +253,12 @@ class LLMEngine:
                                                    self.device)
                 req.handoff = None
         t0 = time.perf_counter()
-        arrays = build_step(out.rows, self.ecfg, self.slot_prefill_len, rebase)
+        rows = out.rows
+        shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
+                 else self.programs.ragged(sum(r.num_tokens for r in rows), len(rows)))
+        arrays = build_step(rows, shape, self.ecfg, self.slot_prefill_len, self.block_tables, self.block_q, rebase)
         self.timings["build"] += time.perf_counter() - t0
-        return arrays
+        return arrays, shape
 
     def _record_inputs(self, req: Request, start: int, ids) -> None:
         if self.record_inputs:
@@ -256,7 +290,8 @@ class LLMEngine:
             num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
             in_flight = {id(row.request) for row in self._in_flight.out.rows} if self._in_flight else set()
             rebase = [id(row.request) in in_flight for row in out.rows]
-            pending = self.runner.dispatch(self._prepare(out, rebase), num_steps)
+            arrays, shape = self._prepare(out, rebase, num_steps)
+            pending = self.runner.dispatch(arrays, num_steps, shape.width)
             self.num_steps += num_steps
             self.num_launches += 1
             starts, out_index, excess = [], [], []

@@ -52,8 +52,10 @@ class EngineConfig:
       on the chunked Pallas kernel; the XLA chunked form elsewhere), "chunked", "scan", "pallas",
       "pallas_recurrent", "pallas_pool" (the pool kernel also off the GPU, in interpret mode) or a
       registered kernel.
-    attention_impl: paged attention of the trunk and MTP layers: "xla" (gather each row's pages, then
-      masked softmax) or "pallas" (paged flash kernel reading pages in place; opt-in until measured on a GPU).
+    attention_impl: the attention layers' kernels (trunk and MTP): "auto" (on a GPU the Pallas kernels: the
+      ragged paged attention over each row's pages in place, the KV write, the prompt q/k/v kernel and, in
+      launches of several steps, the one-kernel decode attention; the XLA forms elsewhere), "xla" (the XLA
+      forms everywhere) or "pallas" (the kernels also off the GPU, in interpret mode).
     num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
     pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
     pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
@@ -80,8 +82,8 @@ class EngineConfig:
     fused_decode_kernels: decode and verify rows run the layers' one-kernel forms between their two
       products where the GDN / attention path runs Pallas kernels (a GPU, or gdn_impl "pallas_pool" /
       attention_impl "pallas" elsewhere): the GDN mixer kernel for steps of
-      `paged_forward.MIXER_MIN_ROWS` to `MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
-      `paged_forward.DECODE_ATTENTION_MAX_QUERIES` cells. Same math as the chains they replace (tested
+      `uniform_forward.MIXER_MIN_ROWS` to `MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
+      `uniform_forward.DECODE_ATTENTION_MAX_QUERIES` tokens. Same math as the chains they replace (tested
       against them); False runs those chains, e.g. to rule the kernels out when chasing a problem. On the
       H200 a 0.8B decode step at batch 8 took 1.013 ms against 1.074 with the attention chain and 1.097
       against 1.130 with the GDN chain (device ms, bench/results/decode-forms-*-probe_gpu_20261202.json).
@@ -111,7 +113,7 @@ class EngineConfig:
     enforce_eager: bool = False
     dtype: str = "bfloat16"
     gdn_impl: str = "auto"
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
     num_speculative_tokens: int = 0
     pd: bool = False
     pad_prompt_tail: bool = True
@@ -135,7 +137,7 @@ class EngineConfig:
             (0 < self.kv_memory_fraction <= 1, "kv_memory_fraction must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
-            (self.attention_impl in ("xla", "pallas"), "attention_impl must be 'xla' or 'pallas'"),
+            (self.attention_impl in ("auto", "xla", "pallas"), "attention_impl must be 'auto', 'xla' or 'pallas'"),
             (self.async_scheduling is not True or not self.pd,
              "async_scheduling needs pd=False (a PD handoff is only known once its step's results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,

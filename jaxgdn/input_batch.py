@@ -1,10 +1,10 @@
-"""Host-side assembly of one step's arrays from the scheduler output, padded to buckets.
+"""Host-side assembly of one step's arrays from the scheduler output, in the shape of a fixed program.
 
-The flat ragged layout follows vLLM: input_ids[T], query_start_loc[R+1], seq_lens[R], idx_mapping[R],
-cu_num_logits[R+1], per-slot prefill_len[S]. The host places only prompt tokens (positions below
-prefill_len); sampled and draft tokens are placed on device by the input-assembly kernel. T, R and the
-row width Q and block-table width MP are padded to powers of two (one jit trace per bucket) unless
-enforce_eager.
+The flat ragged layout follows vLLM: input_ids[T], positions[T], query_start_loc[R+1], seq_lens[R],
+idx_mapping[R], cu_num_logits[R+1], per-slot prefill_len[S], plus the row of each token (token_row[T], -1
+for padding) and each row's block table [R, max_pages_per_seq]. The host places only prompt tokens
+(positions below prefill_len); sampled and draft tokens are placed on device by the input-assembly kernel.
+T and R are the program's (`programs.StepShape`): the step's tokens and rows come first, padding after.
 """
 
 from __future__ import annotations
@@ -13,19 +13,13 @@ import dataclasses
 
 import numpy as np
 
+from pallas_kernels.ragged_attention import num_query_blocks, query_blocks
+
 from .cache import NULL_PAGE
 from .engine_config import EngineConfig
-from .request import RowKind
+from .programs import StepShape
+from .request import Request, RowKind
 from .scheduler import ScheduledRow, runs_verify_path
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
-
-
-WHOLE_PROMPT_MIN_QUERIES = 64  # see StepArrays.whole_prompts
 
 
 @dataclasses.dataclass
@@ -34,15 +28,16 @@ class StepArrays:
 
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
+    token_row: np.ndarray  # [T] row of each token, -1 for padding
+    kv_slots: np.ndarray  # [T] flat KV pool slot (page * page_size + offset); the null page for padding
     query_start_loc: np.ndarray  # [R+1]
     seq_lens: np.ndarray  # [R]
     idx_mapping: np.ndarray  # [R]
     cu_num_logits: np.ndarray  # [R+1]
     prefill_len: np.ndarray  # [S]
-    token_index: np.ndarray  # [R, Q]
-    row_positions: np.ndarray  # [R, Q]
-    kv_slots: np.ndarray  # [R, Q]
     block_tables: np.ndarray  # [R, MP]
+    block_row: np.ndarray  # [NB] the attention kernel's query blocks (`ragged_attention.query_blocks`)
+    block_start: np.ndarray  # [NB]
     fresh: np.ndarray  # [R] bool
     verify_path: np.ndarray  # [R] bool: GDN writes per-position checkpoints
     pad_tail: np.ndarray  # [R] bool: a prompt tail padded with -1 placeholder drafts
@@ -57,104 +52,78 @@ class StepArrays:
     seeds: np.ndarray  # [R] uint32
     request_ids: np.ndarray  # [R] uint32
 
-    @property
-    def whole_prompts(self) -> bool:
-        """Every row starts at position 0 (its sequence is this step's tokens: seq_lens == its cells), in a
-        bucket of at least WHOLE_PROMPT_MIN_QUERIES cells per row. The device step then attends to the
-        step's own K/V without reading pages (`paged_forward.paged_attention`), as its own compiled program;
-        shorter buckets (decode, verify) keep one program whatever their rows are."""
-        if self.token_index.shape[1] < WHOLE_PROMPT_MIN_QUERIES:
-            return False
-        return bool(np.all(self.seq_lens == np.sum(self.token_index >= 0, axis=1)))
 
-    @property
-    def shape_key(self) -> tuple[int, int, int, int]:
-        """(T, R, Q, MP): one compiled program per distinct key."""
-        return (self.input_ids.shape[0], self.idx_mapping.shape[0], self.token_index.shape[1],
-                self.block_tables.shape[1])
+class BlockTables:
+    """The host's copy of every slot's block table, [S, max_pages_per_seq]: a row's pages are written once,
+    when the scheduler allocates them, and each step copies the rows of its requests."""
+
+    def __init__(self, num_slots: int, max_pages: int):
+        self.table = np.full((num_slots, max_pages), NULL_PAGE, np.int32)
+
+    def sync(self, req: Request) -> None:
+        n, done = len(req.pages), req.pages_in_table
+        if n > done:
+            self.table[req.slot, done:n] = req.pages[done:n]
+            req.pages_in_table = n
 
 
-def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: np.ndarray,
-               rebase: list[bool] | None = None) -> StepArrays:
-    """Flatten scheduled rows into padded arrays. slot_prefill_len: [S] per-slot prompt lengths. rebase:
-    per row, whether its previous launch is still in flight (its num_computed is the host's guess)."""
-    num_spec = ecfg.num_speculative_tokens
+def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, slot_prefill_len: np.ndarray,
+               tables: BlockTables, block_q: int, rebase: list[bool] | None = None) -> StepArrays:
+    """Flatten scheduled rows into the arrays of a program of `shape`. slot_prefill_len: [S] per-slot prompt
+    lengths; tables: the block tables (synced here); block_q: the attention kernel's queries per block;
+    rebase: per row, whether its previous launch is still in flight (its num_computed is the host's guess)."""
     n_rows = len(rows)
-    n_tokens = sum(r.num_tokens for r in rows)
-    max_q = max((r.num_tokens for r in rows), default=1)
-    if ecfg.enforce_eager:
-        T, R, Q = n_tokens, n_rows, max_q
-    else:
-        T = bucket(n_tokens, 8)
-        R = bucket(n_rows)
-        Q = min(bucket(max_q), T)
-    if num_spec:  # verification checkpoints read the first 1+K cells of every row
-        Q = max(Q, 1 + num_spec)
-        T = max(T, Q)
+    n_tok = np.array([r.num_tokens for r in rows], np.int32)
+    n_tokens = int(n_tok.sum())
+    T, R = shape.tokens, shape.rows
+    if n_tokens > T or n_rows > R or (shape.width and np.any(n_tok != shape.width)):
+        raise ValueError(f"{n_rows} rows of {n_tokens} tokens do not fit the program shape {shape}")
     ps = ecfg.kv_page_size
-    # Block tables as wide as this step's longest row needs (+K for the MTP chain's draft positions),
-    # padded to a power of two: attention reads MP pages per row, so a max_model_len-wide table would
-    # make every decode step read the whole context window.
-    # (+ the later steps of a launch of several steps: each moves the window on by at most its width)
-    need = max((-(-(r.request.num_computed + r.num_tokens * r.launch_steps + num_spec) // ps) for r in rows),
-               default=1)
-    MP = ecfg.max_pages_per_seq if ecfg.enforce_eager else min(bucket(need), ecfg.max_pages_per_seq)
-
-    input_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    qsl = np.zeros(R + 1, np.int32)
-    cu = np.zeros(R + 1, np.int32)
-    token_index = np.full((R, Q), -1, np.int32)
-    row_pos = np.zeros((R, Q), np.int32)
-    kv_slots = np.tile(np.arange(Q, dtype=np.int32) % ps + NULL_PAGE * ps, (R, 1))
-    block_tables = np.full((R, MP), NULL_PAGE, np.int32)
 
     def per_row(values, dtype, fill=0):
         out = np.full(R, fill, dtype)
         out[:n_rows] = values
         return out
 
-    # Per-row scalars are collected as Python lists and written once; only prompt tokens and page lists
-    # are copied row by row (a decode row costs a few list appends, not a dozen numpy calls).
     reqs = [r.request for r in rows]
     sps = [q.sampling_params for q in reqs]
-    n_tok = np.array([r.num_tokens for r in rows], np.int32)
     start = np.array([q.num_computed for q in reqs], np.int32)
+    qsl = np.full(R + 1, n_tokens, np.int32)
+    qsl[0] = 0
     qsl[1 : n_rows + 1] = np.cumsum(n_tok)
-    qsl[n_rows + 1 :] = n_tokens
+    cu = np.zeros(R + 1, np.int32)
     cu[1 : n_rows + 1] = np.cumsum([1 + len(r.spec_tokens) for r in rows])
     cu[n_rows + 1 :] = cu[n_rows]
+    input_ids = np.zeros(T, np.int32)
     for b, row in enumerate(rows):
         req = row.request
-        block_tables[b, : min(len(req.pages), MP)] = req.pages[:MP]
+        tables.sync(req)
         # Host places tokens it knows to be prompt (or recompute) tokens; the kernel places the rest.
         known_end = min(req.num_computed + row.num_tokens, req.prefill_len)
         if known_end > req.num_computed:
             t = qsl[b]
             input_ids[t : t + known_end - req.num_computed] = req.token_array(req.num_computed, known_end)
-    # Flat token j belongs to row row_of[j] at column col[j] of the [R, Q] view: cell row_of * Q + col of
-    # the flattened view (flat indices: these writes take 0.17-0.25 ms at 8192 tokens against 0.34-0.35
-    # with 2-D indices, on a 2-core CPU).
-    row_of = np.repeat(np.arange(n_rows), n_tok)
-    col = np.arange(n_tokens) - qsl[row_of]
-    pos = start[row_of] + col
+    idx_mapping = per_row([q.slot for q in reqs], np.int32)
+    block_tables = tables.table[idx_mapping]  # padding rows read the null slot's row: null pages
+    row_of = np.repeat(np.arange(n_rows, dtype=np.int32), n_tok)
+    pos = start[row_of] + np.arange(n_tokens, dtype=np.int32) - qsl[row_of]
+    token_row = np.full(T, -1, np.int32)
+    token_row[:n_tokens] = row_of
+    positions = np.zeros(T, np.int32)
     positions[:n_tokens] = pos
-    cell = row_of * Q + col
-    np.put(token_index, cell, np.arange(n_tokens))
-    np.put(row_pos, cell, pos)
-    np.put(kv_slots, cell, np.take(block_tables, row_of * MP + pos // ps) * ps + pos % ps)
+    kv_slots = np.arange(T, dtype=np.int32) % ps + NULL_PAGE * ps
+    kv_slots[:n_tokens] = block_tables[row_of, pos // ps] * ps + pos % ps
+    block_row, block_start = query_blocks(qsl, n_rows, block_q, num_query_blocks(T, R, block_q))
     # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
     # under any request id; unseeded requests are keyed by their request id instead.
     seeds = [(sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF for sp in sps]
     request_ids = [0 if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF for q, sp in zip(reqs, sps)]
     next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
     return StepArrays(
-        input_ids=input_ids, positions=positions, query_start_loc=qsl,
-        seq_lens=per_row(start + n_tok, np.int32),
-        idx_mapping=per_row([q.slot for q in reqs], np.int32),
-        cu_num_logits=cu, prefill_len=slot_prefill_len.astype(np.int32),
-        token_index=token_index, row_positions=row_pos, kv_slots=kv_slots, block_tables=block_tables,
-        fresh=per_row(start == 0, bool),
+        input_ids=input_ids, positions=positions, token_row=token_row, kv_slots=kv_slots, query_start_loc=qsl,
+        seq_lens=per_row(start + n_tok, np.int32), idx_mapping=idx_mapping, cu_num_logits=cu,
+        prefill_len=slot_prefill_len.astype(np.int32), block_tables=block_tables, block_row=block_row,
+        block_start=block_start, fresh=per_row(start == 0, bool),
         verify_path=per_row([runs_verify_path(r, ecfg.reproduce_pd_mtp_bug) for r in rows], bool),
         pad_tail=per_row([r.padded_tail for r in rows], bool),
         next_token=per_row(next_token, np.int32),
@@ -167,3 +136,9 @@ def build_step(rows: list[ScheduledRow], ecfg: EngineConfig, slot_prefill_len: n
         top_p=per_row([sp.top_p for sp in sps], np.float32, fill=1.0),
         seeds=per_row(seeds, np.uint32), request_ids=per_row(request_ids, np.uint32),
     )
+
+
+def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays:
+    """A step of `shape` with no rows (every token and row padding): what start-up compiles each program on."""
+    tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
+    return build_step([], shape, ecfg, np.zeros(ecfg.num_slots, np.int32), tables, block_q)

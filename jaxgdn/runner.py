@@ -8,6 +8,7 @@ only host round trip is the sampled tokens coming back.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -24,10 +25,11 @@ from .cache import NULL_PAGE, EngineState, PagedKV
 from .config import ModelConfig
 from .input_batch import StepArrays
 from .model import logits_from_hidden
-from .paged_forward import RowView, forward_paged, mtp_paged
 from .params import ModelParams
+from .ragged_forward import StepMeta, forward_ragged, mtp_ragged
 from .sampling import position_keys
 from .spec_decode import verify_drafts
+from .uniform_forward import forward_uniform
 
 
 def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
@@ -61,7 +63,7 @@ def unpack_step_arrays(buf, layout: tuple) -> dict[str, Any]:
 
 
 def _packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
-                 num_steps: int = 1, whole_prompts: bool = False, rebases: bool = False, **static):
+                 num_steps: int = 1, width: int = 0, rebases: bool = False, **static):
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
     the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
     single device-to-host copy. Returns (state, flat, resident).
@@ -72,14 +74,14 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
     stochastic (static): some row samples with temperature > 0.
-    num_steps (static): > 1 runs that many model steps in one launch (every row a 1-token decode row, or
-    every row an MTP verify window of 1+K): step j sees the arrays advanced by the tokens each row
-    committed in steps 0..j-1 (_advance_rows; 1 a step for decode rows, the accepted drafts + 1 for
-    verify rows, known only on the device), and its input tokens are step j-1's sample and drafts,
-    placed on device from last_sampled and draft_tokens as always. flat then holds num_steps results of
-    the layout above, one after the other.
-    whole_prompts (static): every row starts at position 0 (StepArrays.whole_prompts); attention reads
-    the step's own K/V instead of the pages.
+    width (static): 0 for a ragged program; > 0 for a uniform one (every real row `width` tokens), whose
+    token mixers view the stream as [R, width] (`uniform_forward`, the decode kernels).
+    num_steps (static): > 1 runs that many model steps in one launch of a uniform program (every row a
+    1-token decode row, or every row an MTP verify window of 1+K): step j sees the arrays advanced by the
+    tokens each row committed in steps 0..j-1 (_advance_rows; 1 a step for decode rows, the accepted
+    drafts + 1 for verify rows, known only on the device), and its input tokens are step j-1's sample and
+    drafts, placed on device from last_sampled and draft_tokens as always. flat then holds num_steps
+    results of the layout above, one after the other.
     rebases (static): rows may carry the rebase flag (async scheduling with MTP): the host booked their
     previous launch as if every draft were accepted, so they start where state.num_computed says."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
@@ -87,22 +89,21 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
 
     def one_step(state, arrays):
         state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic,
-                                                               whole_prompts=whole_prompts, **static)
+                                                               width=width, **static)
         flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
         return state, flat, num_sampled
 
     # Rows the host flags (rebase: their previous launch's results were not back when this one was
     # scheduled, so the host assumed every draft accepted) start where the device's count says.
-    shift = (jnp.where(a["rebase"], state.num_computed[a["idx_mapping"]] - a["row_positions"][:, 0], 0) if rebases
-             else 0)
+    start = a["seq_lens"] - _row_lengths(a)
+    shift = jnp.where(a["rebase"], state.num_computed[a["idx_mapping"]] - start, 0) if rebases else 0
     page_size = _kv_page_size(state)
     if num_steps == 1 and not rebases:
         state, flat, _ = one_step(state, a)
         return state, flat, resident
     # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
     # kernels one by one from the host on each iteration, which on the H200 cost more than the launches it
-    # saves (2.52 ms per step at batch 1 against 1.40 unrolled and 2.07 for one step per launch;
-    # bench/results/decode-r5-*).
+    # saves.
     flats = []
     emitted = jnp.zeros(a["idx_mapping"].shape, jnp.int32)  # [R] tokens each row sampled so far
     for j in range(num_steps):
@@ -117,6 +118,12 @@ def _packed_step(params: ModelParams, state: EngineState, resident, host_input, 
     return state, jnp.concatenate(flats), resident
 
 
+def _row_lengths(a: dict[str, Any]):
+    """[R] tokens of each row (0 for padding rows)."""
+    qsl = a["query_start_loc"]
+    return qsl[1:] - qsl[:-1]
+
+
 def _kv_page_size(state: EngineState) -> int:
     """Tokens per KV page, from the pool's shape (1 for a model without attention layers)."""
     pools = [layer for layer in state.layers if isinstance(layer, PagedKV)]
@@ -128,27 +135,32 @@ def _advance_rows(a: dict[str, Any], shift, live, page_size: int, fresh: bool = 
     of several steps, step j's rows by the tokens they emitted in steps 0..j-1 (a decode row commits its
     one input token and samples one; a verify row commits its input token and its accepted drafts, and
     samples as many), plus any rebase (_packed_step). Positions, sequence lengths and the KV slots the
-    window writes (from the rows' block tables, which the scheduler sized for the launch) move by shift.
-    A row that is not live (its emitted tokens reached its token_budget: its request is over, max_tokens
-    or max_model_len) writes the null page and samples nothing; padding keeps its values; fresh: keep the
-    host's fresh flags (step 0), else no row is fresh."""
-    valid = a["token_index"] >= 0  # [R, Q]
-    row_positions = jnp.where(valid, a["row_positions"] + shift[:, None], a["row_positions"])
-    pages = jnp.take_along_axis(a["block_tables"], row_positions // page_size, axis=1, mode="clip")
-    pages = jnp.where(live[:, None], pages, NULL_PAGE)
-    kv_slots = jnp.where(valid, pages * page_size + row_positions % page_size, a["kv_slots"])
-    T = a["positions"].shape[0]
-    # flat positions: each valid cell's token moves with its row (padding tokens are in no row)
-    positions = a["positions"].at[jnp.where(valid, a["token_index"], T)].add(
-        jnp.broadcast_to(shift[:, None], valid.shape), mode="drop")
+    tokens write (from the rows' block tables) move by shift. A row that is not live (its emitted tokens
+    reached its token_budget: its request is over, max_tokens or max_model_len) writes the null page and
+    samples nothing; padding keeps its values; fresh: keep the host's fresh flags (step 0), else no row is
+    fresh."""
+    token_row = a["token_row"]
+    valid = token_row >= 0
+    row = jnp.clip(token_row, 0, a["idx_mapping"].shape[0] - 1)
+    positions = jnp.where(valid, a["positions"] + shift[row], a["positions"])
+    page = a["block_tables"][row, jnp.clip(positions // page_size, 0, a["block_tables"].shape[1] - 1)]
+    page = jnp.where(live[row], page, NULL_PAGE)
+    kv_slots = jnp.where(valid, page * page_size + positions % page_size, a["kv_slots"])
     seq_lens = jnp.where(a["idx_mapping"] > 0, a["seq_lens"] + shift, a["seq_lens"])
-    return dict(a, row_positions=row_positions, kv_slots=kv_slots, positions=positions, seq_lens=seq_lens,
+    return dict(a, positions=positions, kv_slots=kv_slots, seq_lens=seq_lens,
                 fresh=a["fresh"] if fresh else jnp.zeros_like(a["fresh"]), samples=a["samples"] & live)
 
 
+def _step_meta(a: dict[str, Any]) -> StepMeta:
+    return StepMeta(positions=a["positions"], token_row=a["token_row"], kv_slots=a["kv_slots"],
+                    query_start_loc=a["query_start_loc"], seq_lens=a["seq_lens"], idx_mapping=a["idx_mapping"],
+                    block_tables=a["block_tables"], fresh=a["fresh"], verify_path=a["verify_path"],
+                    block_row=a["block_row"], block_start=a["block_start"])
+
+
 def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
-                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True,
-                 whole_prompts: bool = False, fused_decode: bool = True):
+                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True, width: int = 0,
+                 fused_decode: bool = True):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a["idx_mapping"].shape[0]
@@ -162,13 +174,11 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
         a["input_ids"], idx, state.last_sampled, a["query_start_loc"], a["seq_lens"], a["prefill_len"],
         draft_tokens, a["cu_num_logits"], num_logits=num_logits, unguarded=unguarded, impl=input_impl,
     )
-    view = RowView(
-        token_index=a["token_index"], positions=a["row_positions"], kv_slots=a["kv_slots"],
-        block_tables=a["block_tables"], seq_lens=a["seq_lens"], idx_mapping=idx, fresh=a["fresh"],
-        verify_path=a["verify_path"],
-    )
-    hidden, hidden_rq, state = forward_paged(params, cfg, ids, view, state, gdn_impl, attention_impl,
-                                             whole_prompts=whole_prompts, fused_decode=fused_decode)
+    meta = _step_meta(a)
+    if width:
+        hidden, state = forward_uniform(params, cfg, ids, meta, width, state, gdn_impl, attention_impl, fused_decode)
+    else:
+        hidden, state = forward_ragged(params, cfg, ids, meta, state, gdn_impl, attention_impl)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
@@ -191,72 +201,66 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     # Rollback is selection: the next step reads checkpoint num_accepted - 1.
     committed = jnp.where(a["verify_path"], jnp.maximum(num_sampled, 1), 1)
     num_accepted = state.num_accepted.at[jnp.where(real, idx, S)].set(committed, mode="drop")
-    # The row's committed tokens: its cells but the rejected drafts (as the host's num_computed).
+    # The row's committed tokens: its tokens but the rejected drafts (as the host's num_computed).
     num_rejected = jnp.where(samples, n_draft - (num_sampled - 1), 0)
-    num_computed = state.num_computed.at[jnp.where(real, idx, S)].set(
-        a["row_positions"][:, 0] + view.num_valid - num_rejected, mode="drop")
+    num_computed = state.num_computed.at[jnp.where(real, idx, S)].set(a["seq_lens"] - num_rejected, mode="drop")
 
     new_drafts = jnp.zeros((R, K), jnp.int32)
     mtp_layers = state.mtp_layers
     if K and params.mtp is not None:
-        new_drafts, mtp_layers = _propose_drafts(params, cfg, a, view, ids, hidden_rq, tokens, num_sampled,
-                                                 n_draft, samples, last_token, mtp_layers, K, attention_impl,
-                                                 whole_prompts, fused_decode)
+        new_drafts, mtp_layers = _propose_drafts(params, cfg, a, meta, ids, hidden, tokens, num_sampled, n_draft,
+                                                 samples, last_token, mtp_layers, K, attention_impl)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed)
     return state, tokens, num_sampled, new_drafts, ids
 
 
-def _propose_drafts(params, cfg, a, view: RowView, ids, hidden_rq, tokens, num_sampled, n_draft, samples,
-                    last_token, mtp_layers, K, attention_impl, whole_prompts=False, fused_decode=True):
-    """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form).
+def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sampled, n_draft, samples, last_token,
+                    mtp_layers, K, attention_impl):
+    """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form), on the flat stream.
 
-    Cell (r, j) of the step gets (trunk hidden at position p_j, token at p_j + 1): the next input token
-    of the row, and for the last kept cell the token just sampled (or, for a prefill chunk, the next
-    prompt token). Rejected cells are dropped. Draft 0 comes from the last kept cell; drafts 1..K-1 chain
-    one token at a time on the MTP's own output hidden. Drafts are greedy (argmax). whole_prompts: the
-    trunk's; dropping cells keeps seq_lens == num_valid, so it holds for the MTP view too."""
-    R, Q = view.token_index.shape
+    Token t of a row gets (trunk hidden at its position p, token at p + 1): the next input token of the
+    row, and for the row's last kept token the token just sampled (or, for a prefill chunk, the next
+    prompt token). Rejected drafts are dropped (no row: they write the null page and attend to nothing).
+    Draft 0 comes from the last kept token; drafts 1..K-1 chain one token a row at a time on the MTP's own
+    output hidden. Drafts are greedy (argmax)."""
     T = ids.shape[0]
-    q_len = view.num_valid
+    R = meta.idx_mapping.shape[0]
+    qsl = meta.query_start_loc
     num_rejected = jnp.where(samples, n_draft - (num_sampled - 1), 0)
-    keep = q_len - num_rejected  # cells whose token was accepted (or is a prompt token)
-    j = jnp.arange(Q)[None, :]
-    next_in_row = ids[jnp.clip(view.token_index + 1, 0, T - 1)]
+    keep = _row_lengths(a) - num_rejected  # tokens whose token was accepted (or is a prompt token)
+    valid = meta.valid
+    row = jnp.clip(meta.token_row, 0, R - 1)
+    offset = jnp.arange(T, dtype=jnp.int32) - qsl[row]
+    kept = valid & (offset < keep[row])
+    next_in_row = ids[jnp.clip(jnp.arange(T) + 1, 0, T - 1)]
     last_next = jnp.where(samples, last_token, a["next_token"])
-    eagle_ids = jnp.where(j == keep[:, None] - 1, last_next[:, None], next_in_row)
-    kept = view.valid & (j < keep[:, None])
-    mtp_view = RowView(  # dropped cells write to the null page (flat slot 0)
-        token_index=jnp.where(kept, view.token_index, -1), positions=view.positions,
-        kv_slots=jnp.where(kept, view.kv_slots, 0),
-        block_tables=view.block_tables, seq_lens=view.seq_lens - num_rejected, idx_mapping=view.idx_mapping,
-        fresh=view.fresh, verify_path=view.verify_path,
-    )
-    m, mtp_layers = mtp_paged(params, cfg, hidden_rq, eagle_ids, mtp_view, mtp_layers, attention_impl, whole_prompts,
-                              fused_decode)
-    last_cell = jnp.clip(keep - 1, 0, Q - 1)
-    h = jnp.take_along_axis(m, last_cell[:, None, None], 1)  # [R, 1, H]
-    pos = jnp.take_along_axis(view.positions, last_cell[:, None], 1)  # [R, 1]
-    draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
+    eagle_ids = jnp.where(offset == keep[row] - 1, last_next[row], next_in_row)
+    mtp_meta = dataclasses.replace(  # dropped tokens write to the null page (flat slot 0)
+        meta, token_row=jnp.where(kept, meta.token_row, -1), kv_slots=jnp.where(kept, meta.kv_slots, 0),
+        seq_lens=meta.seq_lens - num_rejected)
+    m, mtp_layers = mtp_ragged(params, cfg, hidden, eagle_ids, mtp_meta, mtp_layers, attention_impl)
+    last = jnp.clip(qsl[:-1] + keep - 1, 0, T - 1)  # [R] each row's last kept token
+    h = m[last]  # [R, H]
+    pos = meta.positions[last]  # [R]
+    draft = jnp.argmax(logits_from_hidden(params, h), axis=-1).astype(jnp.int32)
     drafts = [draft]
     ps = mtp_layers[0].k.shape[1]
-    MP = view.block_tables.shape[1]
-    for _ in range(K - 1):
+    MP = meta.block_tables.shape[1]
+    rows = jnp.arange(R, dtype=jnp.int32)
+    for _ in range(K - 1):  # one token a row: a step of R tokens, row r's at index r
         pos = pos + 1
         page_idx = pos // ps
-        in_range = samples[:, None] & (page_idx < MP)
-        page = jnp.take_along_axis(view.block_tables, jnp.clip(page_idx, 0, MP - 1), 1)
-        chain_view = RowView(
-            token_index=jnp.where(in_range, 0, -1), positions=pos,
-            kv_slots=jnp.where(in_range, page * ps + pos % ps, 0), block_tables=view.block_tables,
-            seq_lens=jnp.where(samples, pos[:, 0] + 1, 0), idx_mapping=view.idx_mapping,
-            fresh=view.fresh, verify_path=view.verify_path,
-        )
-        m, mtp_layers = mtp_paged(params, cfg, h, draft[:, None], chain_view, mtp_layers, attention_impl,
-                                  fused_decode=fused_decode)
-        h = m
-        draft = jnp.argmax(logits_from_hidden(params, h[:, 0]), axis=-1).astype(jnp.int32)
+        in_range = samples & (page_idx < MP)
+        page = meta.block_tables[rows, jnp.clip(page_idx, 0, MP - 1)]
+        chain = StepMeta(positions=pos, token_row=jnp.where(in_range, rows, -1),
+                         kv_slots=jnp.where(in_range, page * ps + pos % ps, 0),
+                         query_start_loc=jnp.arange(R + 1, dtype=jnp.int32), seq_lens=jnp.where(samples, pos + 1, 0),
+                         idx_mapping=meta.idx_mapping, block_tables=meta.block_tables, fresh=meta.fresh,
+                         verify_path=meta.verify_path, block_row=jnp.where(in_range, rows, -1), block_start=rows)
+        h, mtp_layers = mtp_ragged(params, cfg, h, draft, chain, mtp_layers, attention_impl)
+        draft = jnp.argmax(logits_from_hidden(params, h), axis=-1).astype(jnp.int32)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), mtp_layers
 
@@ -286,22 +290,20 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
 
 
 class LaunchArgs(NamedTuple):
-    """What one launch of the jitted step took besides the device state: the packed host input
-    (int32[n]) and the static arguments (see _packed_step)."""
+    """What one launch of a step program took besides the device state: the packed host input (int32[n])
+    and the static arguments (see _packed_step)."""
 
     host_buf: np.ndarray
     layout: tuple
     stochastic: bool
     num_steps: int
-    whole_prompts: bool
+    width: int
 
 
 # XLA compiler options of the programs for steps of at least EngineConfig.library_gemms_min_tokens tokens:
 # their matrix products go to cuBLAS(Lt) instead of XLA's Triton GEMMs. XLA folds a product's residual add
 # into the cuBLASLt call (beta = 1) only for products its GEMM rewriter sees as library calls; a product
-# first claimed for Triton and later handed to cuBLAS by the autotuner misses that rewrite, so the residual
-# adds and the post-attention norm that recomputes them ran as three bandwidth-bound kernels a layer (~37 us
-# at 8192 tokens). See bench/probes/residual_chain.py and bench/results/residual-chain-probe*-r33_gpu_*.json.
+# first claimed for Triton and later handed to cuBLAS by the autotuner misses that rewrite.
 LIBRARY_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
@@ -311,11 +313,10 @@ def layout_tokens(layout: tuple) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "xla",
+def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "auto",
                  rebases: bool = False, fused_decode: bool = True, library_gemms: bool = False):
-    """One jitted step function per static setting, shared by every runner in the process, so engines
-    built with the same model and settings reuse each other's compiled buckets. library_gemms: compile with
-    LIBRARY_GEMM_OPTIONS (no effect off the GPU)."""
+    """One jitted step function per static setting, shared by every runner in the process. library_gemms:
+    compile with LIBRARY_GEMM_OPTIONS (no effect off the GPU)."""
     return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
                                      input_impl=input_impl, unguarded=unguarded, rebases=rebases,
                                      fused_decode=fused_decode),
@@ -324,19 +325,19 @@ def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bo
 
 
 class ModelRunner:
-    """Holds params and the device state; runs steps; counts compiled bucket shapes."""
+    """Holds params and the device state; compiles step programs (one per packed layout and static
+    setting) and runs steps on them. Counts compiles, and those after `started` is set (start-up's)."""
 
     MAX_RESIDENT_INPUTS = 64
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
                  input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
-                 attention_impl: str = "xla", rebases: bool = False, fused_decode: bool = True,
+                 attention_impl: str = "auto", rebases: bool = False, fused_decode: bool = True,
                  library_gemms_min_tokens: int | None = None):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
         self.state = state
-        self.shapes_seen: set[tuple[int, ...]] = set()
         self.last_device_args: LaunchArgs | None = None  # the last launch's, for benchmarks to replay
         # One resident input buffer per input size (int32[n + 1]), donated to the step and returned by it,
         # so it keeps one device address: see _packed_step. Most recently used last; enforce_eager's exact
@@ -350,6 +351,10 @@ class ModelRunner:
         self._step = _jitted_step(*static)
         self._library_step = _jitted_step(*static, library_gemms=True)
         self.library_gemms_min_tokens = library_gemms_min_tokens
+        self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
+        self.num_compiles = 0
+        self.compiles_after_startup = 0
+        self.started = False  # the engine sets it once start-up's programs are compiled
 
     def program(self, layout: tuple):
         """The jitted step that runs a launch of this packed layout: the library-GEMM program for token
@@ -357,28 +362,69 @@ class ModelRunner:
         threshold = self.library_gemms_min_tokens
         return self._library_step if threshold is not None and layout_tokens(layout) >= threshold else self._step
 
+    @property
+    def num_programs(self) -> int:
+        return len(self._programs)
+
+    @property
+    def program_keys(self) -> list[tuple]:
+        """(layout, stochastic, num_steps, width) of every compiled program."""
+        return list(self._programs)
+
+    def lower(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
+        """The lowered step program of a packed layout and static setting."""
+        size = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout)
+        sharding = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None
+        buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)  # noqa: E731
+        return self.program(layout).lower(self.params, self.state, buf(size + 1), buf(size), layout, stochastic,
+                                          num_steps, width)
+
+    def compiled(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
+        """The compiled program of a launch, compiling it now if it is new (counted after start-up)."""
+        key = (layout, stochastic, num_steps, width)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self.lower(*key).compile()
+            self.num_compiles += 1
+            self.compiles_after_startup += self.started
+        return program
+
+    def precompile(self, keys: list[tuple], on_compiled=None, workers: int | None = None) -> None:
+        """Compile the programs of keys ((layout, stochastic, num_steps, width), ...) not compiled yet:
+        lowered one at a time here, compiled on a pool of threads (XLA compiles outside the GIL).
+        on_compiled(): called after each."""
+        todo = list(dict.fromkeys(k for k in keys if k not in self._programs))
+        if not todo:
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(self.lower(*key).compile): key for key in todo}
+            for future in concurrent.futures.as_completed(futures):
+                self._programs[futures[future]] = future.result()
+                self.num_compiles += 1
+                if on_compiled:
+                    on_compiled()
+
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""
         self.state = dataclasses.replace(self.state, draft_tokens=self.state.draft_tokens.at[slot].set(
             jnp.asarray(drafts, jnp.int32)))
 
     def time_device_step(self, iters: int = 20, fresh_input: bool = True) -> float:
-        """ms per model step of the jitted step replayed back to back on the last launch's arguments (the
+        """ms per model step of the step program replayed back to back on the last launch's arguments (the
         state threads through; no host preparation, no token fetch): the device side of a step (a launch of
-        num_steps decode steps counts num_steps). fresh_input: the
-        input is copied to a new device buffer before each call, as real steps do; False: one device copy
-        of it serves every call (the whole graph at fixed addresses, what the resident buffer approaches).
-        The replays advance the device state past what the scheduler knows, so only call it on an engine
-        whose work is done (benchmarks)."""
+        num_steps decode steps counts num_steps). fresh_input: the input is copied to a new device buffer
+        before each call, as real steps do; False: one device copy of it serves every call. The replays
+        advance the device state past what the scheduler knows, so only call it on an engine whose work is
+        done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
-        host_buf, layout, stochastic, num_steps, whole_prompts = self.last_device_args
+        host_buf, layout, stochastic, num_steps, width = self.last_device_args
         fixed = None if fresh_input else jax.device_put(host_buf, self.device)
 
         def run(n):
             for _ in range(n):
                 step_input = jax.device_put(host_buf, self.device) if fresh_input else fixed
-                flat = self._launch(step_input, layout, stochastic, num_steps, whole_prompts)
+                flat = self._launch(step_input, layout, stochastic, num_steps, width)
             jax.block_until_ready(flat)
 
         run(2)
@@ -386,37 +432,31 @@ class ModelRunner:
         run(iters)
         return (time.perf_counter() - t0) / (iters * num_steps) * 1e3
 
-    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1, whole_prompts: bool = False):
-        """Launch the jitted step on a device input (int32[n]) with this size's resident buffer, which
+    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
+        """Launch the compiled step on a device input (int32[n]) with this size's resident buffer, which
         the step donates and returns; self.state advances. Returns the step's flat result buffer."""
+        program = self.compiled(layout, stochastic, num_steps, width)
         size = step_input.shape[0]
         resident = self._resident_inputs.pop(size, None)
         while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
         if resident is None:
             resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
-        self.state, flat, self._resident_inputs[size] = self.program(layout)(
-            self.params, self.state, resident, step_input, layout, stochastic, num_steps, whole_prompts)
+        self.state, flat, self._resident_inputs[size] = program(self.params, self.state, resident, step_input)
         return flat
 
-    @property
-    def num_compiled_shapes(self) -> int:
-        return len(self.shapes_seen)
-
-    def dispatch(self, arrays: StepArrays, num_steps: int = 1) -> "PendingStep":
-        """Copy the step's arrays to the device and launch the jitted step without waiting for it.
-        num_steps > 1: that many decode steps in the one launch (see _packed_step)."""
-        stochastic = bool(np.any(arrays.temperature > 0))
-        whole_prompts = arrays.whole_prompts
-        self.shapes_seen.add((*arrays.shape_key, stochastic, num_steps, whole_prompts))
+    def dispatch(self, arrays: StepArrays, num_steps: int = 1, width: int = 0) -> "PendingStep":
+        """Copy the step's arrays to the device and launch its program without waiting for it.
+        num_steps > 1: that many steps of a uniform program (width > 0) in the one launch (see _packed_step)."""
+        stochastic = bool(np.any((arrays.temperature > 0) & arrays.samples))
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = jax.device_put(host_buf, self.device)
-        self.last_device_args = LaunchArgs(host_buf, layout, stochastic, num_steps, whole_prompts)
+        self.last_device_args = LaunchArgs(host_buf, layout, stochastic, num_steps, width)
         t1 = time.perf_counter()
-        flat = self._launch(step_input, layout, stochastic, num_steps, whole_prompts)
+        flat = self._launch(step_input, layout, stochastic, num_steps, width)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
-        # instead of starting the copy and waiting for it (not yet timed on the GPU).
+        # instead of starting the copy and waiting for it.
         flat.copy_to_host_async()
         self.timings["transfer"] += t1 - t0
         self.timings["dispatch"] += time.perf_counter() - t1
@@ -424,7 +464,7 @@ class ModelRunner:
 
     def fetch(self, pending: "PendingStep") -> list["StepResult"]:
         """Wait for a dispatched launch and copy its results to the host (one transfer): one StepResult
-        per decode step of the launch."""
+        per model step of the launch."""
         t0 = time.perf_counter()
         flat = np.asarray(pending.flat)
         self.timings["wait"] += time.perf_counter() - t0
@@ -435,15 +475,15 @@ class ModelRunner:
             results.append(StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids))
         return results
 
-    def run(self, arrays: StepArrays) -> "StepResult":
+    def run(self, arrays: StepArrays, width: int = 0) -> "StepResult":
         """Run one step and bring its results back. self.timings sums the seconds of each phase: transfer
-        (host-to-device copy), dispatch (launch of the jitted step), wait (for its results)."""
-        return self.fetch(self.dispatch(arrays))[0]
+        (host-to-device copy), dispatch (launch of the step program), wait (for its results)."""
+        return self.fetch(self.dispatch(arrays, 1, width))[0]
 
 
 @dataclasses.dataclass
 class PendingStep:
-    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] per decode step
+    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] per model step
     num_rows: int
     num_drafts: int
     num_steps: int = 1

@@ -90,6 +90,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.pages.free(req.pages)
         req.pages = []
+        req.pages_in_table = 0
         if req.slot:
             self.slots.free([req.slot])
             req.slot = 0
@@ -155,7 +156,7 @@ class Scheduler:
         return self.pages_needed(req, end)
 
     def launch_steps(self, out: SchedulerOutput, num_steps: int) -> int:
-        """How many model steps out's launch runs: num_steps when every row is a 1-token decode row or
+        """How many model steps out's launch runs: num_steps when every row is a 1-token decode row (K = 0) or
         every row a verify window of 1+K (each sampling), no waiting request could start now, and the free
         KV pages cover the launch's worst case (allocated here); else 1. A decode row's launch_steps and
         token_budget are what its request may still produce (max_tokens, max_model_len), at most
@@ -165,9 +166,10 @@ class Scheduler:
         room under max_model_len for every row; its budget is max_tokens' remainder."""
         if num_steps <= 1 or not out.rows or (self.waiting and self.slots.num_free):
             return 1
-        width = out.rows[0].num_tokens
+        # one width a launch program: 1 + K (decode rows without MTP, verify windows with it)
+        width = 1 + self.K
         kind = RowKind.DECODE if width == 1 else RowKind.SPEC_VERIFY
-        if width not in (1, 1 + self.K) or any(row.kind != kind or row.num_tokens != width or not row.samples
+        if any(row.kind != kind or row.num_tokens != width or not row.samples
                                                 for row in out.rows):
             return 1
         max_len = self.ecfg.max_model_len

@@ -108,7 +108,7 @@ def test_startup_bench_warm_run_reuses_the_persistent_cache(tmp_path):
     d = run(tmp_path, "startup", "--model", TINY, "--requests", "2", "--prompt-len", "8", "--max-tokens", "4",
             "--k", "1", "--cache-dir", str(tmp_path / "cache"))
     cold, warm = d["rows"]
-    assert d["cache_files"] > 0 and cold["compiled_shapes"] == warm["compiled_shapes"] >= 2
+    assert d["cache_files"] > 0 and cold["compiled_shapes"] == warm["compiled_shapes"] >= 1
     assert warm["workload_s"] < 0.7 * cold["workload_s"]
 
 

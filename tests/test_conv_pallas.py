@@ -10,7 +10,7 @@ import pytest
 
 from jaxgdn.cache import GDNSlots
 from jaxgdn.gdn import causal_conv_silu, conv_checkpoint_inputs
-from jaxgdn.paged_forward import _read_conv, _write_conv
+from jaxgdn.pools import read_conv, write_conv
 from pallas_kernels.conv_pallas import causal_conv_pooled, causal_conv_prompt, conv_kernel_supports
 
 
@@ -31,14 +31,14 @@ def conv_case(seed=0, T=3, K=2, C=48, extra=8, Kc=4, dtype=jnp.float32):
 
 
 def xla_conv_path(x, weight, pool, slots, start, fresh, verify, num_valid):
-    """The engine's XLA path (paged_forward._read_conv, gdn.causal_conv_silu, paged_forward._write_conv)."""
+    """The engine's XLA path (pools.read_conv, gdn.causal_conv_silu, pools.write_conv)."""
     C, Kc = weight.shape[0], weight.shape[-1]
     K = pool.shape[1] - (Kc - 1)
     view = SimpleNamespace(idx_mapping=slots, fresh=fresh, verify_path=verify)
     gdn_slots = GDNSlots(conv=pool, ssm=None)
-    window = _read_conv(gdn_slots, view, start, Kc)
+    window = read_conv(gdn_slots, view, start, Kc)
     u, new_window = causal_conv_silu(x[..., :C], window, weight, num_valid)
-    return u, _write_conv(gdn_slots, view, new_window, conv_checkpoint_inputs(window, x[..., :C], K) if K else None)
+    return u, write_conv(gdn_slots, view, new_window, conv_checkpoint_inputs(window, x[..., :C], K) if K else None)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 70])

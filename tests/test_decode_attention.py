@@ -1,6 +1,6 @@
 """The one-kernel decode attention (`pallas_kernels/decode_attention.py`, interpret mode on CPU, compiled under
--m gpu in test_gpu.py) against the XLA chain it replaces in `paged_forward.paged_attention`: the fused
-projection's split, q/k RMSNorms, RoPE, the KV write, attention over each row's gathered pages, the gate."""
+-m gpu in test_gpu.py) against the ragged XLA path it replaces in uniform steps (`ragged_forward.attention_ragged`):
+the fused projection's split, q/k RMSNorms, RoPE, the KV write, attention over each row's pages, the gate."""
 
 import dataclasses
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from jaxgdn import norms, paged_forward
+from jaxgdn import norms, uniform_forward
 from jaxgdn.cache import PagedKV
 from jaxgdn.norms import DeferredNorm, inverse_rms
-from jaxgdn.paged_forward import RowView, paged_attention, use_decode_attention_kernel
+from jaxgdn.ragged_forward import StepMeta, attention_ragged
+from jaxgdn.uniform_forward import RowView, decode_attention_rows, use_decode_attention_kernel
 from jaxgdn.params import init_random_params, serving_layout
 from pallas_kernels import decode_attention
 from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
@@ -59,12 +60,26 @@ def use_form(monkeypatch, form: str):
     monkeypatch.setattr(decode_attention, "SPLIT_TARGET_PROGRAMS", 1024 if form == "split" else 1)
 
 
+def flat_meta(view: RowView) -> StepMeta:
+    """The ragged form's metadata of a [R, Q] view: row r's cells are tokens r*Q .. r*Q+Q-1 of the stream."""
+    R, Q = view.token_index.shape
+    token_row = jnp.where(view.valid, jnp.arange(R, dtype=jnp.int32)[:, None], -1).reshape(-1)
+    return StepMeta(positions=view.positions.reshape(-1), token_row=token_row, kv_slots=view.kv_slots.reshape(-1),
+                    query_start_loc=jnp.arange(R + 1, dtype=jnp.int32) * Q, seq_lens=view.seq_lens,
+                    idx_mapping=view.idx_mapping, block_tables=view.block_tables, fresh=view.fresh,
+                    verify_path=view.verify_path, block_row=None, block_start=None)
+
+
 def run_layer(kernel: bool, cfg, p, h, view, kv):
-    """The layer on the one kernel (impl "pallas", fused_decode on) or on the XLA chain (impl "xla" and
-    fused_decode off, so even on a GPU)."""
+    """The layer on the one kernel (impl "pallas", fused_decode on) or on the ragged XLA path (impl "xla")."""
     impl = "pallas" if kernel else "xla"
-    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, False, fused_decode=kernel) == kernel
-    return jax.jit(lambda h, kv: paged_attention(p, cfg, h, view, kv, impl, fused_decode=kernel))(h, kv)
+    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, fused_decode=kernel) == kernel
+    if kernel:
+        return jax.jit(lambda h, kv: decode_attention_rows(p, cfg, h, view, kv))(h, kv)
+    R, Q = view.token_index.shape
+    flat = jax.tree_util.tree_map(lambda a: a.reshape(R * Q, *a.shape[2:]), h)
+    out, pools = jax.jit(lambda h, kv: attention_ragged(p, cfg, h, flat_meta(view), kv, impl))(flat, kv)
+    return out.reshape(R, Q, -1), pools
 
 
 def assert_same_layer(got, want, view, kv, atol):
@@ -125,13 +140,12 @@ def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeyp
 
 def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     cfg, p, *_ = attention_case(1, jnp.float32)
-    Qmax = paged_forward.DECODE_ATTENTION_MAX_QUERIES
-    assert use_decode_attention_kernel(p, cfg, Qmax, PS, "pallas", False)
-    assert not use_decode_attention_kernel(p, cfg, Qmax + 1, PS, "pallas", False)  # prompts: flash or XLA
-    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", True)  # whole prompts read their own K/V
-    assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, "pallas", False)
-    assert not use_decode_attention_kernel(p, cfg, 1, PS, "xla", False)  # on CPU only when asked for
-    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", False, fused_decode=False)  # switched off
+    Qmax = uniform_forward.DECODE_ATTENTION_MAX_QUERIES
+    assert use_decode_attention_kernel(p, cfg, Qmax, PS, "pallas")
+    assert not use_decode_attention_kernel(p, cfg, Qmax + 1, PS, "pallas")  # wider rows: the ragged form
+    assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, "pallas")
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, "xla")  # on CPU only when asked for
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", fused_decode=False)  # switched off
     assert decode_attention_supports(256, 16, 64) and not decode_attention_supports(96, 16, 24)
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
@@ -176,8 +190,8 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped, splits)
 @pytest.mark.parametrize("fused, form", [(True, "head"), (True, "split"), (False, None)])
 def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
     """EngineConfig.fused_decode_kernels picks the one-kernel forms (GDN mixer, decode attention) or the chains
-    for decode and MTP verify rows, in the trunk and the MTP layer (kernels in interpret mode: the pool
-    path and the paged attention asked for; the decode attention one program per query head, or grouped with
+    for the MTP verify launches of uniform programs (two steps a launch; kernels in interpret mode: the pool
+    path and the Pallas attention asked for; the decode attention one program per query head, or grouped with
     each row's pages split over programs); either way every request equals one-request greedy decoding."""
     from helpers import naive_greedy
     from jaxgdn import runner
@@ -194,15 +208,15 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
         return wrapper
 
     # traces cached by earlier tests would skip the counters: start from empty caches of the two jits
-    paged_forward._paged_layer.clear_cache()
+    uniform_forward._uniform_layer.clear_cache()
     runner._jitted_step.cache_clear()
-    monkeypatch.setattr(paged_forward, "gdn_mixer_pooled", counted("mixer", paged_forward.gdn_mixer_pooled))
-    monkeypatch.setattr(paged_forward, "decode_attention_pooled",
-                        counted("attention", paged_forward.decode_attention_pooled))
+    monkeypatch.setattr(uniform_forward, "gdn_mixer_pooled", counted("mixer", uniform_forward.gdn_mixer_pooled))
+    monkeypatch.setattr(uniform_forward, "decode_attention_pooled",
+                        counted("attention", uniform_forward.decode_attention_pooled))
     monkeypatch.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
     use_form(monkeypatch, form or "head")
     # three requests: steps of 1-3 rows, which run the GDN chain by default (MIXER_MIN_ROWS); the mixer from one row
-    monkeypatch.setattr(paged_forward, "MIXER_MIN_ROWS", 1)
+    monkeypatch.setattr(uniform_forward, "MIXER_MIN_ROWS", 1)
     if form == "split":  # rows of at most 4 pages: one-page tiles, a split for each
         monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
         monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
@@ -212,7 +226,7 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (2, 9, 21)]
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=PS,
                         dtype="float32", num_speculative_tokens=2, gdn_impl="pallas_pool", attention_impl="pallas",
-                        fused_decode_kernels=fused, compilation_cache=False)
+                        fused_decode_kernels=fused, compilation_cache=False, decode_steps_per_launch=2)
     eng = LLMEngine(params, cfg, ecfg)
     sp = SamplingParams(temperature=0, max_tokens=5)
     rids = [eng.add_request(p, sp) for p in prompts]

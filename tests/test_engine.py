@@ -9,6 +9,7 @@ from jaxgdn.engine import LLMEngine
 from jaxgdn.engine_config import EngineConfig
 from jaxgdn.params import init_random_params
 from jaxgdn.request import RowKind, SamplingParams
+from jaxgdn.runner import layout_tokens
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=21)
@@ -53,10 +54,10 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
         # Prompt fidelity: every token fed at a position < prompt length is the prompt token.
         fed = eng.fed_tokens[rid]
         assert all(tok == p[pos] for pos, tok in fed if pos < len(p))
-    if not enforce_eager:  # buckets bound the number of traces
-        assert eng.runner.num_compiled_shapes <= 12
-    token_buckets = {key[0] for key in eng.runner.shapes_seen}
-    assert min(token_buckets) < 16 <= max(token_buckets)  # both programs ran
+    if not enforce_eager:  # the program set bounds the compiles: token buckets 16 and 32, greedy
+        assert eng.runner.num_programs <= 2
+    token_buckets = {layout_tokens(key[0]) for key in eng.runner.program_keys}
+    assert min(token_buckets) < 16 <= max(token_buckets) if enforce_eager else token_buckets == {16, 32}
 
 
 @pytest.mark.parametrize("n_requests, fold_norms", [(1, False), (3, True)])  # the norms unfolded too
@@ -212,7 +213,7 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
     from jaxgdn.runner import pack_step_arrays, unpack_step_arrays
 
     rng = np.random.default_rng(3)
-    fields = {name: rng.integers(-5, 9, (4, 3) if name in ("token_index", "kv_slots") else 5).astype(np.int32)
+    fields = {name: rng.integers(-5, 9, (4, 3) if name == "block_tables" else 5).astype(np.int32)
               for name in StepArrays.__dataclass_fields__}
     fields.update(temperature=np.array([0.0, 0.7, 1e-30, -0.0, 3.5], np.float32),
                   top_p=np.array([1.0, 0.9, 0.5, 0.25, 1e-7], np.float32),
@@ -243,50 +244,34 @@ def test_request_token_slice_matches_the_concatenated_sequence():
     assert req.token_after(5) == 13
 
 
-@pytest.mark.parametrize("case", ["decode rows", "one prompt"])
-def test_flat_steps_reshape_instead_of_gathering_and_match_the_general_path(monkeypatch, case):
-    """A step of single-token rows (Q = 1) or of one row (R = 1) runs the model on the first R*Q flat
-    tokens with reshapes between the flat and [R, Q] forms; it must give the same tokens and state as the
-    general gather/scatter path. "one prompt": a 5-token prompt in an 8-token bucket (3 padding cells)."""
-    import functools
-
+def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
+    """A step of decode rows runs in a ragged program (the default) or, in a launch of several steps, in a
+    uniform one ([R, 1] rows: `uniform_forward`); on the same step both must give the same tokens and state."""
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn import runner as runner_module
-    from jaxgdn.paged_forward import forward_paged
+    from jaxgdn.input_batch import build_step
     from jaxgdn.runner import pack_step_arrays
 
     eng = engine()
-    seen = []
-    dispatch = eng.runner.dispatch
-    eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
-    if case == "decode rows":
-        for i in range(3):
-            eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
-        eng.step()  # the prompts
-        eng.step()  # three decodes: [R, Q] = [4, 1]
-        arrays = seen[1]
-        assert arrays.token_index.shape == (4, 1)
-    else:
-        eng.add_request(prompt(610, 5), SamplingParams(temperature=0, max_tokens=8))
-        state_before = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
-        eng.step()
-        arrays = seen[0]
-        assert arrays.token_index.shape == (1, 8) and arrays.input_ids.shape == (8,)
-        eng.runner.state = state_before
-    buf, layout = pack_step_arrays(arrays)
+    for i in range(3):
+        eng.add_request(prompt(600 + i, 5 + 2 * i), SamplingParams(temperature=0, max_tokens=8))
+    eng.step()  # the prompts
+    out = eng.scheduler.schedule()  # three decode rows
+    assert [row.kind for row in out.rows] == [RowKind.DECODE] * 3
     results = []
-    for flat in (None, False):  # None: the default, which reshapes here
-        monkeypatch.setattr(runner_module, "forward_paged", functools.partial(forward_paged, rows_are_flat=flat))
-        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
-                                         input_impl="xla", unguarded=False), static_argnums=(4, 5))
+    for shape in (eng.programs.ragged(3, 3), eng.programs.launch(3, 1)):
+        arrays = build_step(out.rows, shape, eng.ecfg, eng.slot_prefill_len, eng.block_tables, eng.block_q)
+        buf, layout = pack_step_arrays(arrays)
+        program = eng.runner.compiled(layout, False, 1, shape.width)
         state = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
-        new_state, packed, _ = step(eng.runner.params, state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf),
-                                    layout, False)
-        results.append((np.asarray(packed), jax.tree_util.tree_leaves(new_state)))
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    for a, b in zip(results[0][1], results[1][1]):
+        new_state, flat, _ = program(eng.runner.params, state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf))
+        flat, R = np.asarray(flat), shape.rows  # [R tokens | R num_sampled | T ids] (K = 0)
+        results.append((flat[:3], flat[R : R + 3], jax.tree_util.tree_leaves(new_state)))
+    assert eng.programs.ragged(3, 3).tokens == 16 and eng.programs.launch(3, 1) == eng.programs.launch(4, 1)
+    np.testing.assert_array_equal(results[0][0], results[1][0])  # tokens
+    np.testing.assert_array_equal(results[0][1], results[1][1])  # num_sampled
+    for a, b in zip(results[0][2], results[1][2]):
         a, b = np.asarray(a), np.asarray(b)
         if a.ndim > 1:  # pools: entry 0 is the null page / null slot, a sink for padding rows' writes
             a, b = a[1:], b[1:]
@@ -294,7 +279,7 @@ def test_flat_steps_reshape_instead_of_gathering_and_match_the_general_path(monk
 
 
 def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
-    """forward_paged calls each layer through its own jit (_paged_layer), so the step's lowered module
+    """forward_ragged calls each layer through its own jit (_ragged_layer), so the step's lowered module
     holds one function per layer kind, called once per layer, and the compiled step is the same program as
     with the layers traced inline: XLA inlines the calls (no call left, same instruction counts)."""
     import collections
@@ -304,7 +289,7 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn import paged_forward
+    from jaxgdn import ragged_forward
     from jaxgdn import runner as runner_module
     from jaxgdn.runner import pack_step_arrays
 
@@ -326,13 +311,13 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
 
     nested_module, nested = lowered_and_compiled()
     kinds = collections.Counter(CFG.layer_types)
-    layer_funcs = set(re.findall(r"func\.func private @(_paged_layer\w*)", nested_module))
+    layer_funcs = set(re.findall(r"func\.func private @(_ragged_layer\w*)", nested_module))
     assert len(layer_funcs) == len(kinds), layer_funcs  # one lowered function per layer kind
-    assert len(re.findall(r"call @_paged_layer", nested_module)) == len(CFG.layer_types)
-    inline = paged_forward._paged_layer.__wrapped__
-    monkeypatch.setattr(paged_forward, "_paged_layer", lambda *a, **k: inline(*a, **k))
+    assert len(re.findall(r"call @_ragged_layer", nested_module)) == len(CFG.layer_types)
+    inline = ragged_forward._ragged_layer.__wrapped__
+    monkeypatch.setattr(ragged_forward, "_ragged_layer", lambda *a, **k: inline(*a, **k))
     flat_module, flat = lowered_and_compiled()
-    assert "_paged_layer" not in flat_module
+    assert "_ragged_layer" not in flat_module
 
     def opcodes(hlo):  # instruction opcodes of the optimized module, names and shapes dropped
         return collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", hlo))
@@ -362,13 +347,12 @@ def test_step_input_stays_at_one_device_address_and_outputs_match_the_reference(
     while eng.has_unfinished:
         eng.step()
     assert eng.requests[rid].output_token_ids == reference(p, GREEDY.max_tokens)
-    decode = seen[1:]  # the prompt step has its own input size
-    sizes = set(decode[-1]) - set(seen[0])
-    assert len(decode) >= 3 and len(sizes) == 1
+    sizes = set(seen[-1])  # the prompt and the decodes share one program of 16 tokens: one input size
+    assert len(seen) >= 4 and len(sizes) == 1
     size = sizes.pop()
     # a size's first step donates a fresh zeroed buffer (on CPU possibly a zero-copy host view that cannot
     # be donated, so its output lands elsewhere); from the second step on, one address
-    assert len({addresses[size] for addresses in decode[1:]}) == 1
+    assert len({addresses[size] for addresses in seen[1:]}) == 1
 
 
 def test_only_the_first_copy_reads_the_step_input_at_its_new_address():
@@ -395,9 +379,9 @@ def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
     the limit is 1, so every change of input size evicts."""
     eng = engine()
     eng.runner.MAX_RESIDENT_INPUTS = 1
-    p, q = prompt(702, 7), prompt(703, 12)
+    p, q = prompt(702, 7), prompt(703, 20)
     rids = [eng.add_request(p, GREEDY)]
-    eng.step()  # p's prompt, then decodes of p alone and of p with q's prompt: three input sizes
+    eng.step()  # p's prompt (16-token program), then p's decode beside q's prompt (32), then decodes (16)
     rids.append(eng.add_request(q, GREEDY))
     sizes = []
     while eng.has_unfinished:
@@ -407,24 +391,3 @@ def test_resident_inputs_keep_only_the_newest_sizes_and_tokens_stay_exact():
     assert len(set(sizes)) >= 2
     assert [eng.requests[r].output_token_ids for r in rids] == [reference(p, GREEDY.max_tokens),
                                                                 reference(q, GREEDY.max_tokens)]
-
-
-def test_steps_of_whole_prompts_are_flagged_and_match_the_reference():
-    """The host flags a step whose rows all start at position 0 in a bucket of >= 64 cells
-    (StepArrays.whole_prompts: attention then reads the step's own K/V); the next step, a new prompt
-    beside two decode rows, is not flagged. Tokens equal the reference either way."""
-    from jaxgdn.input_batch import WHOLE_PROMPT_MIN_QUERIES
-
-    eng = engine(max_num_batched_tokens=512)
-    seen = []
-    dispatch = eng.runner.dispatch
-    eng.runner.dispatch = lambda arrays, *rest: seen.append(arrays) or dispatch(arrays, *rest)
-    prompts = [prompt(800 + i, n) for i, n in enumerate((70, 100, 90))]
-    rids = [eng.add_request(p, GREEDY) for p in prompts[:2]]
-    eng.step()  # two whole prompts
-    rids.append(eng.add_request(prompts[2], GREEDY))
-    while eng.has_unfinished:
-        eng.step()  # the third prompt beside two decode rows
-    flags = [(a.token_index.shape[1] >= WHOLE_PROMPT_MIN_QUERIES, a.whole_prompts) for a in seen]
-    assert flags[0] == (True, True) and flags[1] == (True, False)
-    assert [eng.output(r).token_ids for r in rids] == [reference(p, 5) for p in prompts]

@@ -1,5 +1,5 @@
 """The one-kernel GDN mixer (`pallas_kernels/gdn_mixer.py`, interpret mode on CPU, compiled under -m gpu in
-test_gpu.py) against the unfused chain it replaces in `paged_forward.gdn_rows`: projection split, gates,
+test_gpu.py) against the unfused chain it replaces in `uniform_forward.gdn_rows_pooled`: projection split, gates,
 the pooled conv kernel, the pooled recurrence kernel and the gated norm."""
 
 import dataclasses
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from jaxgdn import norms, paged_forward
+from jaxgdn import norms, uniform_forward
 from jaxgdn.cache import GDNSlots
 from jaxgdn.norms import DeferredNorm, inverse_rms
-from jaxgdn.paged_forward import RowView, gdn_rows, use_mixer_kernel
+from jaxgdn.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
 from jaxgdn.params import init_random_params, serving_layout
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 
@@ -43,7 +43,7 @@ def mixer_case(T, K, dtype, seed=0, Hk=2, Hv=4, dk=16, dv=32):
 def run_rows(mixer: bool, cfg, p, h, view, slots, num_accepted):
     """The pool path's rows on the one mixer kernel (fused_decode on) or on the unfused chain."""
     assert use_mixer_kernel(p, cfg, h.shape[0], fused_decode=mixer) == mixer
-    fn = jax.jit(lambda h, slots: gdn_rows(p, cfg, h, view, slots, num_accepted, "pallas_pool", fused_decode=mixer))
+    fn = jax.jit(lambda h, slots: gdn_rows_pooled(p, cfg, h, view, slots, num_accepted, fused_decode=mixer))
     return fn(h, slots)
 
 
@@ -83,7 +83,7 @@ def test_mixer_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
 
 def test_mixer_kernel_runs_where_its_tiles_and_weights_allow():
     cfg, p, *_ = mixer_case(1, 0, jnp.float32)
-    lo, hi = paged_forward.MIXER_MIN_ROWS, paged_forward.MIXER_MAX_ROWS
+    lo, hi = uniform_forward.MIXER_MIN_ROWS, uniform_forward.MIXER_MAX_ROWS
     assert use_mixer_kernel(p, cfg, lo) and use_mixer_kernel(p, cfg, hi)
     assert not use_mixer_kernel(p, cfg, hi + 1)  # larger steps: the chain's kernels
     assert not use_mixer_kernel(p, cfg, lo - 1)  # smaller steps: the chain's kernels too (r42)

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import real_width_config, small_config
 from jaxgdn.attention import project_qkv_gate
-from jaxgdn.paged_forward import project_qkv_gate_paged, use_prompt_qkv_kernel
+from jaxgdn.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
 from jaxgdn.params import init_random_params, serving_layout
 from pallas_kernels.common import on_gpu
 from pallas_kernels.prompt_qkv import _pieces, prompt_qkv_supports
@@ -33,9 +33,10 @@ def test_kernel_matches_the_xla_chain(config, R, Q, dtype):
     64 rotated, 8 query and 2 KV heads): q, k, v and the gate as the XLA chain makes them, rounded alike."""
     cfg = small_config() if config == "small" else real_width_config()
     p, h, positions = qkv_case(cfg, R, Q, dtype)
-    assert use_prompt_qkv_kernel(p, cfg, Q, "pallas") and use_prompt_qkv_kernel(p, cfg, Q, "xla") == on_gpu()
-    got = jax.jit(lambda h: project_qkv_gate_paged(p, cfg, h, positions, "pallas"))(h)
-    want = jax.jit(lambda h: project_qkv_gate(p, cfg, h, positions))(h)
+    assert use_prompt_qkv_kernel(p, cfg, "pallas") and use_prompt_qkv_kernel(p, cfg, "auto") == on_gpu()
+    flat = lambda a: a.reshape(R * Q, *a.shape[2:])  # noqa: E731  the step's stream: rows one after another
+    got = jax.jit(lambda h: project_qkv_gate_flat(p, cfg, flat(h), flat(positions), "pallas"))(h)
+    want = [flat(x) for x in jax.jit(lambda h: project_qkv_gate(p, cfg, h, positions))(h)]
     # bf16: the kernel rounds where the chain does, but XLA may keep a product in fp32 (excess precision)
     atol = 1e-5 if dtype == jnp.float32 else 2e-2
     for name, g, w in zip("qkvg", got, want):
@@ -56,10 +57,3 @@ def test_head_pieces_cover_the_head_in_power_of_two_tiles():
         assert sum(w for _, w in pieces) == D and all(w & (w - 1) == 0 for _, w in pieces)
         assert [s for s, _ in pieces] == list(np.cumsum([0] + [w for _, w in pieces])[:-1])
     assert prompt_qkv_supports(256, 64) and not prompt_qkv_supports(256, 0) and not prompt_qkv_supports(64, 12)
-
-
-def test_decode_rows_keep_the_xla_chain():
-    """Rows of at most 8 cells are decode or verify rows (their own kernel, or the XLA chain): not this one."""
-    cfg = small_config()
-    p, _, _ = qkv_case(cfg, 1, 8, jnp.float32)
-    assert not use_prompt_qkv_kernel(p, cfg, 8, "pallas") and use_prompt_qkv_kernel(p, cfg, 9, "pallas")

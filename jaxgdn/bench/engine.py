@@ -43,10 +43,10 @@ def bench_engine(args) -> dict:
         rows.append({
             "concurrency": concurrency, "steps": steps, "steps_per_s": steps / dt,
             "generated_tokens_per_s": concurrency * args.max_tokens / dt, "cold_run_s_incl_compile": first, "warm_run_s": dt,
-            "compiled_shapes": eng.runner.num_compiled_shapes,
+            "compiled_shapes": eng.runner.num_compiles,
         })
         print(f"concurrency {concurrency:4d}: {steps / dt:8.1f} steps/s  {concurrency * args.max_tokens / dt:9.1f} tok/s  "
-              f"compiled shapes {eng.runner.num_compiled_shapes}  cold run {first:.2f}s")
+              f"compiled shapes {eng.runner.num_compiles}  cold run {first:.2f}s")
     return {"benchmark": "engine", "model": "tiny random (hidden 64, 4 layers L,L,L,F)",
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
             "rows": rows}

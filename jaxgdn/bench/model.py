@@ -83,7 +83,7 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 
 
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
-                        attention_impl: str = "xla", async_scheduling: bool | None = None,
+                        attention_impl: str = "auto", async_scheduling: bool | None = None,
                         decode_steps_per_launch: int | None = None, fold_norms: bool = True,
                         fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
@@ -113,7 +113,7 @@ def add_random_prompts(eng, rng, count: int, length: int, sp) -> None:
 
 
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
-                     profile_dir: str | None = None, attention_impl: str = "xla",
+                     profile_dir: str | None = None, attention_impl: str = "auto",
                      async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None,
                      fold_norms: bool = True, fused_decode_kernels: bool = True) -> dict:
     """Wall time per decode step of the engine in steady state: the engine.step() calls after the prompt
@@ -184,11 +184,11 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
                 after = dict(eng.timings), steps_back(), len(times)
                 tracing.enter_context(jax.profiler.trace(profile_dir + "-engine", create_perfetto_trace=True))
             traced += after is not None
-            compiled = eng.runner.num_compiled_shapes
+            compiled = eng.runner.num_compiles
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-            if eng.runner.num_compiled_shapes > compiled and after is None:
+            if eng.runner.num_compiles > compiled and after is None:
                 last_compile = len(times)
                 if first_timed is not None:
                     if reopens == max_reopens:
@@ -209,7 +209,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
            "device_ms_per_step_fixed_input": eng.runner.time_device_step(fresh_input=False),
            "host_phase_ms_per_step": phases,
            "steps": eng.num_steps, "launches": eng.num_launches, "generated": generated,
-           "compiled_shapes": eng.runner.num_compiled_shapes, "total_s_incl_compile": time.perf_counter() - t_first,
+           "compiled_shapes": eng.runner.num_compiles, "total_s_incl_compile": time.perf_counter() - t_first,
            "spec": eng.spec_metrics() if K else None,
            # greedy tokens are a function of the program's arithmetic: equal digests across processes that
            # compiled the step differently (XLA flags, kernel forms) mean they computed the same tokens
@@ -242,7 +242,7 @@ def profile_replayed_steps(eng, profile_dir: str, iters: int = 5) -> dict:
 
 
 def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gdn_impl: str = "auto",
-                      attention_impl: str = "xla", profile_dir: str | None = None,
+                      attention_impl: str = "auto", profile_dir: str | None = None,
                       fold_norms: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
                       ) -> tuple[float, dict, dict | None]:
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
@@ -282,7 +282,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
 
 
 def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 8, gdn_impl: str = "auto",
-                             attention_impl: str = "xla", fold_norms: bool = True,
+                             attention_impl: str = "auto", fold_norms: bool = True,
                              library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS) -> float:
     """ms per step of a stream of prefill steps: steps x batch prompts of `length` tokens queued at once,
     one step of `batch` whole prompts each, run back to back with async scheduling (the engine builds and

@@ -1,0 +1,75 @@
+"""Writes of the paged KV pools and reads and writes of the GDN slot pool by a step's tokens and rows (both
+step forms share them).
+
+`rows` is any step metadata with idx_mapping [R] (slot of each row; 0 = the null slot of padding rows),
+fresh [R] (the row starts from zeros) and verify_path [R] (the row writes one checkpoint per window
+position). A slot holds 1+K recurrent-state checkpoints and a conv buffer of Kc-1+K inputs; the committed
+state is checkpoint num_accepted-1 and the conv window at that offset.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import on_gpu
+from pallas_kernels.kv_write import write_kernel_supports, write_kv_pallas
+
+from .cache import GDNSlots, PagedKV
+from .state import GDNState
+
+
+def attention_kernels(impl: str) -> bool:
+    """Whether EngineConfig.attention_impl runs the attention layers' Pallas kernels: "pallas" anywhere
+    (interpret mode off the GPU), "auto" on a GPU; "xla" never."""
+    return impl == "pallas" or (impl == "auto" and on_gpu())
+
+
+def write_kv(kv: PagedKV, slots, k, v, impl: str):
+    """Write k, v [N, Hkv, D] at flat pool slots [N]. The Pallas kernel (in place) where `attention_kernels`
+    and a token's K is one Triton tile; XLA's scatter otherwise. Returns the two pools."""
+    P, ps, Hkv, D = kv.k.shape
+    if attention_kernels(impl) and write_kernel_supports(Hkv, D):
+        return write_kv_pallas(kv.k, kv.v, slots, k, v)
+    scatter = lambda pool, x: pool.reshape(P * ps, Hkv, D).at[slots].set(x.astype(pool.dtype)).reshape(pool.shape)  # noqa: E731
+    return scatter(kv.k, k), scatter(kv.v, v)
+
+
+def read_conv(slots: GDNSlots, rows, offset, kc: int):
+    """[R, Kc-1, C]: each row's conv window at checkpoint offset [R]; zeros for fresh rows."""
+    conv = jax.vmap(lambda c, o: jax.lax.dynamic_slice_in_dim(c, o, kc - 1, axis=0))(slots.conv[rows.idx_mapping], offset)
+    return jnp.where(rows.fresh[:, None, None], 0, conv)
+
+
+def write_conv(slots: GDNSlots, rows, window, verify_buffer):
+    """Non-verify rows write their new window [R, Kc-1, C] at offset 0; verify rows the whole Kc-1+K buffer."""
+    idx = rows.idx_mapping
+    kc1 = window.shape[1]
+    if verify_buffer is None and kc1 == slots.conv.shape[1]:  # no spec window (K = 0): one scatter
+        return slots.conv.at[idx].set(window.astype(slots.conv.dtype))
+    conv = slots.conv[idx].at[:, :kc1].set(window.astype(slots.conv.dtype))
+    if verify_buffer is not None:
+        conv = jnp.where(rows.verify_path[:, None, None], verify_buffer.astype(slots.conv.dtype), conv)
+    return slots.conv.at[idx].set(conv)
+
+
+def read_gdn_state(slots: GDNSlots, rows, num_accepted, kc: int) -> GDNState:
+    """Each row's committed state: checkpoint num_accepted-1 and the conv window at that offset; zeros
+    for fresh rows, so whatever a slot held before admission never leaks in."""
+    idx = rows.idx_mapping
+    offset = num_accepted[idx] - 1  # [R] in [0, K]
+    ssm = jax.vmap(lambda s, o: s[o])(slots.ssm[idx], offset)
+    return GDNState(conv=read_conv(slots, rows, offset, kc), ssm=jnp.where(rows.fresh[:, None, None, None], 0, ssm))
+
+
+def write_gdn_state(slots: GDNSlots, rows, new: GDNState, checkpoints: GDNState | None) -> GDNSlots:
+    """Prefill/decode rows commit their final state to checkpoint 0 and window to conv offset 0.
+    Verify-path rows write every checkpoint (state after each window position) and the whole
+    Kc-1+K conv buffer; the next step selects with num_accepted."""
+    idx = rows.idx_mapping
+    final_ssm = slots.ssm[idx].at[:, 0].set(new.ssm.astype(slots.ssm.dtype))
+    if checkpoints is not None:
+        v = rows.verify_path
+        final_ssm = jnp.where(v[:, None, None, None, None], checkpoints.ssm.astype(slots.ssm.dtype), final_ssm)
+    conv = write_conv(slots, rows, new.conv, None if checkpoints is None else checkpoints.conv)
+    return GDNSlots(conv=conv, ssm=slots.ssm.at[idx].set(final_ssm))

@@ -1,0 +1,169 @@
+"""The model over one engine step's flat ragged token stream, reading and writing the paged KV pools and
+the GDN slots.
+
+Every token mixer reads the stream as it is: tokens [T] with the row of each (token_row, -1 for padding)
+and each row's tokens at query_start_loc[r] .. query_start_loc[r+1]-1. Attention writes this step's K/V at
+each token's pool slot and attends over the row's pages (`pallas_kernels/ragged_attention.py`); a GDN layer
+convolves and runs the recurrence of each row from its slot's state (`pallas_kernels/gdn_ragged.py`) and
+commits the new state. No [rows, width] padding exists anywhere: a step's activations are O(T) whatever
+the rows' widths and contexts. Padding tokens are no-ops: their KV writes go to the null page, their GDN
+steps neither decay nor write, and padding rows use the null slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
+from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
+from pallas_kernels.ragged_attention import kernel_supports as ragged_kernel_supports
+from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
+
+from .attention import project_qkv_gate
+from .cache import EngineState, GDNSlots, PagedKV
+from .config import FULL_ATTENTION, ModelConfig
+from .gdn import gdn_output, gdn_projections, split_qkv
+from .mlp import linear
+from .model import residual_block
+from .mtp import mtp_fc_input
+from .norms import rms_norm_1p
+from .pools import attention_kernels, read_gdn_state, write_gdn_state, write_kv
+from .params import ModelParams
+from .pytree import pytree_dataclass
+from .rope import rope_cos_sin
+from .state import GDNState
+
+Array = Any
+
+
+@pytree_dataclass
+class StepMeta:
+    """A step's layout on the device (shapes are the program's: T tokens, R rows, MP pages a row)."""
+
+    positions: Array  # [T] absolute position of each token (0 for padding)
+    token_row: Array  # [T] row of each token, -1 for padding
+    kv_slots: Array  # [T] flat KV pool slot each token writes (page * page_size + offset); null page for padding
+    query_start_loc: Array  # [R+1] row r owns tokens [qsl[r], qsl[r+1])
+    seq_lens: Array  # [R] tokens of the row's sequence after this step
+    idx_mapping: Array  # [R] persistent request slot (0 = null slot)
+    block_tables: Array  # [R, MP] page ids of each row (0 = null page beyond the allocation)
+    fresh: Array  # [R] bool: the row starts from an empty state (first chunk of a (re)computation)
+    verify_path: Array  # [R] bool: GDN state writes one checkpoint per window position (spec rows)
+    block_row: Array  # [NB] the attention kernel's query blocks: row of each (-1: unused)
+    block_start: Array  # [NB] first token of each block
+
+    @property
+    def valid(self):
+        return self.token_row >= 0
+
+
+def uses_attention_kernel(cfg: ModelConfig, page_size: int, impl: str) -> bool:
+    """Whether the ragged attention runs the Pallas kernel: on a GPU or with impl "pallas", where its tiles fit."""
+    return attention_kernels(impl) and ragged_kernel_supports(cfg.head_dim, page_size, cfg.num_attention_heads,
+                                                                     cfg.num_key_value_heads)
+
+
+def use_prompt_qkv_kernel(p, cfg: ModelConfig, impl: str) -> bool:
+    """Whether q/k/v come from the fused projection through one kernel (`pallas_kernels/prompt_qkv.py`: the
+    split, q/k norms and RoPE) on a GPU or with impl "pallas"."""
+    return attention_kernels(impl) and p.fused is not None and prompt_qkv_supports(cfg.head_dim,
+                                                                                           cfg.rotary_dim)
+
+
+def project_qkv_gate_flat(p, cfg: ModelConfig, h, positions, impl: str):
+    """`attention.project_qkv_gate` of the stream h [T, H], positions [T]: q [T, Hq, D], k, v [T, Hkv, D],
+    gate [T, Hq*D]; through the one kernel where `use_prompt_qkv_kernel`."""
+    T, H = h.shape
+    if not use_prompt_qkv_kernel(p, cfg, impl):
+        q, k, v, gate = project_qkv_gate(p, cfg, h.reshape(1, T, H), positions[None])
+        return q[0], k[0], v[0], gate[0]
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    y = linear(h, p.fused)
+    cos, sin = rope_cos_sin(cfg, positions[None], h.dtype)
+    q, k, v = prompt_qkv(y[None], p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, Hq, Hkv, D)
+    gate = y[:, : 2 * Hq * D].reshape(T, Hq, 2 * D)[..., D:].reshape(T, Hq * D)
+    return q[0], k[0], v[0], gate
+
+
+def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, impl: str):
+    """Gated attention of the flat stream h [T, H] (or a DeferredNorm of it): write this step's K/V at each
+    token's slot, attend over each row's pages. Returns (out [T, H], new pools)."""
+    T = meta.positions.shape[0]
+    q, k, v, gate = project_qkv_gate_flat(p, cfg, h, meta.positions, impl)
+    k_pool, v_pool = write_kv(kv, meta.kv_slots, k, v, impl)
+    if uses_attention_kernel(cfg, kv.k.shape[1], impl):
+        attn = ragged_paged_attention(q, k_pool, v_pool, meta.positions, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, meta.block_row, meta.block_start)
+    else:
+        attn = ragged_paged_attention_reference(q, k_pool, v_pool, meta.token_row, meta.positions, meta.block_tables,
+                                                meta.seq_lens)
+    o = attn.reshape(T, -1) * jax.nn.sigmoid(gate)
+    return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+
+
+def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_accepted, impl: str):
+    """The GDN layer over the flat stream h [T, H]: projections, each row's conv from its window, the
+    recurrence from its committed state, the gated norm and out_proj; the rows' new states (and a verify
+    row's checkpoints) go into the slot pool. Returns (out [T, H], new slots)."""
+    del impl  # one form for now: the XLA references
+    T = meta.positions.shape[0]
+    kc = cfg.linear_conv_kernel_dim
+    W = slots.ssm.shape[1]  # 1 + K checkpoints
+    _, mixed, z, g, beta = gdn_projections(p, cfg, h.reshape(1, T, h.shape[-1]))
+    valid = meta.valid[:, None]
+    g, beta = jnp.where(valid, g[0], 0.0), jnp.where(valid, beta[0], 0.0)  # padding neither decays nor writes
+    start = read_gdn_state(slots, meta, num_accepted, kc)
+    u, window, buffers = ragged_causal_conv(mixed[0], p.conv1d, start.conv, meta.token_row, meta.query_start_loc, W)
+    q, k, v = (x[0] for x in split_qkv(cfg, u[None]))
+    o, final, states = gdn_ragged_reference(q, k, v, g, beta, meta.token_row, meta.query_start_loc, start.ssm, W)
+    checkpoints = GDNState(conv=buffers, ssm=states) if W > 1 else None
+    new_slots = write_gdn_state(slots, meta, GDNState(conv=window, ssm=final), checkpoints)
+    out = gdn_output(p, cfg, o[None], z, h.dtype)[0]
+    return out, new_slots
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl"))
+def _ragged_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: ModelConfig, attention: bool,
+                  gdn_impl: str, attention_impl: str):
+    """One decoder layer on the flat stream x [T, H]. Its own jit, called inside the step's trace: the
+    layers of a kind share one traced and lowered function, which XLA inlines before it optimizes."""
+
+    def mixer(h):
+        if attention:
+            return attention_ragged(p.mixer, cfg, h, meta, layer_state, attention_impl)
+        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, gdn_impl)
+
+    return residual_block(p, cfg, x, mixer)
+
+
+def forward_ragged(params: ModelParams, cfg: ModelConfig, input_ids, meta: StepMeta, state: EngineState,
+                   gdn_impl: str, attention_impl: str = "auto"):
+    """input_ids [T] -> (hidden [T, H] after the final norm, new EngineState)."""
+    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
+    new_layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        x, new_state = _ragged_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,
+                                     attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
+                                     attention_impl=attention_impl)
+        new_layers.append(new_state)
+    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    return hidden, dataclasses.replace(state, layers=tuple(new_layers))
+
+
+def mtp_ragged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, meta: StepMeta, mtp_layers: tuple,
+               attention_impl: str = "auto"):
+    """The MTP head over the flat stream: token t gets the trunk hidden at its position and the token after
+    it (next_ids [T]). Writes the MTP layer's own paged KV. Returns (mtp hidden [T, H] after mtp.norm, layers)."""
+    mtp = params.mtp
+    x = mtp_fc_input(params, cfg, hidden, next_ids)
+    new_layers = []
+    for layer, kv in zip(mtp.layers, mtp_layers):
+        x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: attention_ragged(
+            layer.mixer, cfg, h, meta, kv, attention_impl))
+        new_layers.append(kv)
+    return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

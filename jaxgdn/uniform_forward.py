@@ -1,0 +1,189 @@
+"""The model over a uniform step: R rows of Q tokens each (plain decode rows, or MTP verify windows), so the
+flat token stream is exactly the [R, Q] view reshaped. Launches of several decode or verify steps run in
+this form (`programs.StepShape.width`) so that their token mixers can be the one-kernel decode forms, which
+hold a row's few tokens in registers: the decode attention kernel, and the GDN mixer or the pooled conv and
+recurrence kernels, each reading and writing the pools in place. Where those kernels do not run (off the
+GPU, other head sizes, fused_decode_kernels=False) the layers take the ragged forms of `ragged_forward`.
+Padding rows are no-ops: their KV writes go to the null page, their GDN steps neither decay nor write, and
+their slots are the null slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
+from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
+from pallas_kernels.gdn import use_pooled_recurrent
+from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
+from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled
+
+from .cache import EngineState, GDNSlots, PagedKV
+from .config import FULL_ATTENTION, ModelConfig
+from .engine_config import env_switch
+from .gdn import gdn_output, gdn_projections
+from .mlp import linear, linear_parts
+from .model import residual_block
+from .norms import rms_norm_1p
+from .params import ModelParams
+from .pools import attention_kernels
+from .pytree import pytree_dataclass
+from .ragged_forward import StepMeta, attention_ragged, gdn_ragged
+from .rope import rope_cos_sin
+
+Array = Any
+
+
+@pytree_dataclass
+class RowView:
+    """A uniform step's [R, Q] view (device arrays)."""
+
+    token_index: Array  # [R, Q] flat token index of each cell, -1 for padding
+    positions: Array  # [R, Q] absolute positions (0 for padding)
+    kv_slots: Array  # [R, Q] flat KV pool slot (page * page_size + offset) each cell writes; null page for padding
+    block_tables: Array  # [R, MP] page ids of each row (0 = null page beyond the allocation)
+    seq_lens: Array  # [R] tokens of the sequence after this step
+    idx_mapping: Array  # [R] persistent request slot (0 = null slot)
+    fresh: Array  # [R] bool: the row starts from an empty state (first chunk of a (re)computation)
+    verify_path: Array  # [R] bool: GDN state writes one checkpoint per window position (spec rows)
+
+    @property
+    def valid(self):
+        return self.token_index >= 0
+
+    @property
+    def num_valid(self):
+        return jnp.sum(self.valid, axis=1).astype(jnp.int32)
+
+
+def row_view(meta: StepMeta, width: int) -> RowView:
+    """The [R, width] view of a uniform step's stream (row r's tokens are r*width .. r*width+width-1)."""
+    R = meta.idx_mapping.shape[0]
+    T = meta.positions.shape[0]
+    token_index = jnp.where(meta.valid, jnp.arange(T, dtype=jnp.int32), -1).reshape(R, width)
+    return RowView(token_index=token_index, positions=meta.positions.reshape(R, width),
+                   kv_slots=meta.kv_slots.reshape(R, width), block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                   idx_mapping=meta.idx_mapping, fresh=meta.fresh, verify_path=meta.verify_path)
+
+
+# With fused_decode (`EngineConfig.fused_decode_kernels`), rows of at most DECODE_ATTENTION_MAX_QUERIES tokens run
+# the attention layer between its two products as one kernel (`pallas_kernels/decode_attention.py`) on a GPU or
+# with impl "pallas".
+DECODE_ATTENTION_MAX_QUERIES = 8
+
+
+def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: int, impl: str,
+                                fused_decode: bool = True) -> bool:
+    """Whether an attention layer's step of rows `queries` tokens wide runs the one decode-attention kernel:
+    fused_decode on, short rows, fused q/k/v weights (one product to read) and tile-sized heads and pages."""
+    return (fused_decode and attention_kernels(impl) and queries <= DECODE_ATTENTION_MAX_QUERIES
+            and p.fused is not None and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
+
+
+def decode_attention_rows(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
+    """The attention layer of [R, Q] rows (h [R, Q, H] or a DeferredNorm of it) with the decode kernel
+    between its two products. Returns (out [R, Q, H], new pools)."""
+    y, row_scale = linear_parts(h, p.fused)
+    cos, sin = rope_cos_sin(cfg, view.positions, h.dtype)
+    o, k_pool, v_pool = decode_attention_pooled(
+        y, row_scale, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, kv.k, kv.v, view.kv_slots.reshape(-1),
+        view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
+        view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
+    return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
+
+
+# With fused_decode (`EngineConfig.fused_decode_kernels`), the GDN mixer kernel (`pallas_kernels/gdn_mixer.py`)
+# for steps of MIXER_MIN_ROWS to MIXER_MAX_ROWS rows on the pool kernel path; without, the unfused chain (product
+# scale, gates, conv kernel, pool kernel, gated norm) always. The mixer's one program per (row, key head) holds
+# whole state tiles; the chain's kernels split dv over more programs, which pays at few rows (since the gates
+# moved into the pool kernel) and at many.
+MIXER_MAX_ROWS = 16
+MIXER_MIN_ROWS = 6
+
+# Steps of the unfused chain with fused weights form the gates g and beta inside the pool kernel from the
+# product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a kernel of their own.
+# `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
+POOL_KERNEL_GATES = env_switch("JAXGDN_POOL_GATES")
+
+
+def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
+    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on,
+    MIXER_MIN_ROWS to MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product)
+    and tile-sized heads of at most 128 x 128."""
+    return (fused_decode and MIXER_MIN_ROWS <= rows <= MIXER_MAX_ROWS and p.fused is not None
+            and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, fused_decode: bool = True):
+    """The GDN layer over [R, Q] rows (h [R, Q, H]) on the in-place pool kernels: the conv kernel reads and
+    writes each row's window in the pool (`pallas_kernels/conv_pallas.py`), the pool kernel reads checkpoint
+    num_accepted-1 of each row's slot and writes the new checkpoints straight into it, with no gathered copy
+    of the states; with fused weights and fused_decode one kernel does the conv, gates, recurrence and gated
+    norm (`use_mixer_kernel`). Returns (out [R, Q, H], new slots)."""
+    offset = num_accepted[view.idx_mapping] - 1
+    if use_mixer_kernel(p, cfg, h.shape[0], fused_decode):  # everything between the two products in one kernel
+        y, row_scale = linear_parts(h, p.fused)
+        out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
+                                          slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
+                                          view.verify_path, view.num_valid, dtype=h.dtype)
+        return linear(out, p.out_proj), GDNSlots(conv=conv, ssm=ssm)
+    source, _, z, g, beta = gdn_projections(p, cfg, h, view.num_valid)
+    u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,
+                                 view.verify_path, view.num_valid)
+    rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
+    if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
+        gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
+        o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
+    else:
+        o, ssm = gdn_recurrent_pooled(u, g, beta, *rows)
+    return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
+
+
+def use_pooled_kernels(cfg: ModelConfig, width: int, gdn_impl: str) -> bool:
+    """Whether a uniform step's GDN layers run `gdn_rows_pooled` (else the ragged form)."""
+    return (use_pooled_recurrent(gdn_impl, width, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+            and conv_kernel_supports(cfg.conv_dim))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "width",
+                                             "fused_decode"))
+def _uniform_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: ModelConfig, attention: bool,
+                   gdn_impl: str, attention_impl: str, width: int, fused_decode: bool):
+    """One decoder layer of `forward_uniform` on the stream x [T, H]. Its own jit, called inside the step's
+    trace: the layers of a kind share one traced and lowered function, which XLA inlines before it optimizes."""
+    view = row_view(meta, width)
+    R, T = view.token_index.shape[0], x.shape[0]
+    to_rows = lambda a: jax.tree_util.tree_map(lambda y: y.reshape(R, width, *y.shape[1:]), a)  # noqa: E731
+
+    def mixer(h):
+        if attention:
+            if use_decode_attention_kernel(p.mixer, cfg, width, layer_state.k.shape[1], attention_impl, fused_decode):
+                out, new_state = decode_attention_rows(p.mixer, cfg, to_rows(h), view, layer_state)
+                return out.reshape(T, -1), new_state
+            return attention_ragged(p.mixer, cfg, h, meta, layer_state, attention_impl)
+        if use_pooled_kernels(cfg, width, gdn_impl):
+            out, new_state = gdn_rows_pooled(p.mixer, cfg, to_rows(h), view, layer_state, num_accepted, fused_decode)
+            return out.reshape(T, -1), new_state
+        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, gdn_impl)
+
+    return residual_block(p, cfg, x, mixer)
+
+
+def forward_uniform(params: ModelParams, cfg: ModelConfig, input_ids, meta: StepMeta, width: int, state: EngineState,
+                    gdn_impl: str, attention_impl: str = "auto", fused_decode: bool = True):
+    """input_ids [T] of R rows of `width` tokens (T = R * width) -> (hidden [T, H] after the final norm, new
+    EngineState). fused_decode (static): `EngineConfig.fused_decode_kernels`."""
+    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
+    new_layers = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        x, new_state = _uniform_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,
+                                      attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
+                                      attention_impl=attention_impl, width=width, fused_decode=fused_decode)
+        new_layers.append(new_state)
+    hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
+    return hidden, dataclasses.replace(state, layers=tuple(new_layers))
