@@ -1,5 +1,4 @@
-"""Writes of the paged KV pools and reads and writes of the GDN slot pool by a step's tokens and rows (both
-step forms share them).
+"""Writes of the paged KV pools and reads and writes of the GDN slot pool by a step's tokens and rows, in XLA.
 
 `rows` is any step metadata with idx_mapping [R] (slot of each row; 0 = the null slot of padding rows),
 fresh [R] (the row starts from zeros) and verify_path [R] (the row writes one checkpoint per window
@@ -16,7 +15,6 @@ from pallas_kernels.common import on_gpu
 from pallas_kernels.kv_write import write_kernel_supports, write_kv_pallas
 
 from .cache import GDNSlots, PagedKV
-from .state import GDNState
 
 
 def attention_kernels(impl: str) -> bool:
@@ -53,23 +51,19 @@ def write_conv(slots: GDNSlots, rows, window, verify_buffer):
     return slots.conv.at[idx].set(conv)
 
 
-def read_gdn_state(slots: GDNSlots, rows, num_accepted, kc: int) -> GDNState:
-    """Each row's committed state: checkpoint num_accepted-1 and the conv window at that offset; zeros
-    for fresh rows, so whatever a slot held before admission never leaks in."""
-    idx = rows.idx_mapping
-    offset = num_accepted[idx] - 1  # [R] in [0, K]
-    ssm = jax.vmap(lambda s, o: s[o])(slots.ssm[idx], offset)
-    return GDNState(conv=read_conv(slots, rows, offset, kc), ssm=jnp.where(rows.fresh[:, None, None, None], 0, ssm))
+def read_ssm(slots: GDNSlots, rows, offset):
+    """[R, Hv, dk, dv]: each row's recurrent state at checkpoint offset [R]; zeros for fresh rows, so whatever
+    a slot held before admission never leaks in."""
+    ssm = jax.vmap(lambda s, o: s[o])(slots.ssm[rows.idx_mapping], offset)
+    return jnp.where(rows.fresh[:, None, None, None], 0, ssm)
 
 
-def write_gdn_state(slots: GDNSlots, rows, new: GDNState, checkpoints: GDNState | None) -> GDNSlots:
-    """Prefill/decode rows commit their final state to checkpoint 0 and window to conv offset 0.
-    Verify-path rows write every checkpoint (state after each window position) and the whole
-    Kc-1+K conv buffer; the next step selects with num_accepted."""
+def write_ssm(slots: GDNSlots, rows, final, checkpoints):
+    """The pool's states after the step: prefill and decode rows commit their final state [R, Hv, dk, dv] to
+    checkpoint 0; verify rows write every checkpoint [R, 1+K, Hv, dk, dv] (the state after each window
+    position; None without spec windows), and the next step selects with num_accepted."""
     idx = rows.idx_mapping
-    final_ssm = slots.ssm[idx].at[:, 0].set(new.ssm.astype(slots.ssm.dtype))
+    new = slots.ssm[idx].at[:, 0].set(final.astype(slots.ssm.dtype))
     if checkpoints is not None:
-        v = rows.verify_path
-        final_ssm = jnp.where(v[:, None, None, None, None], checkpoints.ssm.astype(slots.ssm.dtype), final_ssm)
-    conv = write_conv(slots, rows, new.conv, None if checkpoints is None else checkpoints.conv)
-    return GDNSlots(conv=conv, ssm=slots.ssm.at[idx].set(final_ssm))
+        new = jnp.where(rows.verify_path[:, None, None, None, None], checkpoints.astype(slots.ssm.dtype), new)
+    return slots.ssm.at[idx].set(new)

@@ -19,7 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import on_gpu
 from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
+from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
+from pallas_kernels.gdn_ragged_pallas import kernels_support as gdn_kernels_support
 from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
 from pallas_kernels.ragged_attention import kernel_supports as ragged_kernel_supports
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
@@ -32,11 +35,10 @@ from .mlp import linear
 from .model import residual_block
 from .mtp import mtp_fc_input
 from .norms import rms_norm_1p
-from .pools import attention_kernels, read_gdn_state, write_gdn_state, write_kv
+from .pools import attention_kernels, read_conv, read_ssm, write_conv, write_kv, write_ssm
 from .params import ModelParams
 from .pytree import pytree_dataclass
 from .rope import rope_cos_sin
-from .state import GDNState
 
 Array = Any
 
@@ -106,25 +108,38 @@ def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, impl: 
     return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
 
 
+def uses_gdn_kernels(cfg: ModelConfig, impl: str) -> bool:
+    """Whether the ragged GDN recurrence runs the Pallas kernels (`pallas_kernels/gdn_ragged_pallas.py`): gdn_impl
+    "pallas", "pallas_pool" or "pallas_recurrent" anywhere (interpret mode off the GPU), "auto" on a GPU; head
+    sizes that are Triton tiles."""
+    wanted = impl in ("pallas", "pallas_pool", "pallas_recurrent") or (impl == "auto" and on_gpu())
+    return wanted and gdn_kernels_support(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
 def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_accepted, impl: str):
     """The GDN layer over the flat stream h [T, H]: projections, each row's conv from its window, the
     recurrence from its committed state, the gated norm and out_proj; the rows' new states (and a verify
     row's checkpoints) go into the slot pool. Returns (out [T, H], new slots)."""
-    del impl  # one form for now: the XLA references
     T = meta.positions.shape[0]
     kc = cfg.linear_conv_kernel_dim
     W = slots.ssm.shape[1]  # 1 + K checkpoints
     _, mixed, z, g, beta = gdn_projections(p, cfg, h.reshape(1, T, h.shape[-1]))
     valid = meta.valid[:, None]
     g, beta = jnp.where(valid, g[0], 0.0), jnp.where(valid, beta[0], 0.0)  # padding neither decays nor writes
-    start = read_gdn_state(slots, meta, num_accepted, kc)
-    u, window, buffers = ragged_causal_conv(mixed[0], p.conv1d, start.conv, meta.token_row, meta.query_start_loc, W)
+    offset = num_accepted[meta.idx_mapping] - 1  # [R] each row's committed checkpoint
+    windows = read_conv(slots, meta, offset, kc)
+    u, window, buffers = ragged_causal_conv(mixed[0], p.conv1d, windows, meta.token_row, meta.query_start_loc, W)
+    conv = write_conv(slots, meta, window, buffers if W > 1 else None)
     q, k, v = (x[0] for x in split_qkv(cfg, u[None]))
-    o, final, states = gdn_ragged_reference(q, k, v, g, beta, meta.token_row, meta.query_start_loc, start.ssm, W)
-    checkpoints = GDNState(conv=buffers, ssm=states) if W > 1 else None
-    new_slots = write_gdn_state(slots, meta, GDNState(conv=window, ssm=final), checkpoints)
+    if uses_gdn_kernels(cfg, impl):  # the pool read and written in place
+        o, ssm = gdn_ragged_pallas(q, k, v, g, beta, slots.ssm, meta.query_start_loc, meta.idx_mapping, offset,
+                                   meta.fresh, meta.verify_path)
+    else:
+        start = read_ssm(slots, meta, offset)
+        o, final, states = gdn_ragged_reference(q, k, v, g, beta, meta.token_row, meta.query_start_loc, start, W)
+        ssm = write_ssm(slots, meta, final, states if W > 1 else None)
     out = gdn_output(p, cfg, o[None], z, h.dtype)[0]
-    return out, new_slots
+    return out, GDNSlots(conv=conv, ssm=ssm)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl"))

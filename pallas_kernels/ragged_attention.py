@@ -156,7 +156,9 @@ def _kernel(brow_ref, bstart_ref, qsl_ref, seq_ref, bt_ref, pos_ref, q_ref, k_re
     init = (jnp.full((M,), -jnp.inf, f32), jnp.zeros((M,), f32), jnp.zeros((M, D), f32))
     _, l, acc = lax.fori_loop(0, n_tiles, tile, init)
     out = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
-    plt.store(o_ref.at[tok_c[:, None], head[:, None], d[None, :]], out, mask=in_row[:, None])
+    # the output has BQ rows past T, so the store's indices need no clipping: a masked store at clipped
+    # duplicates could lose the real lane's value in interpret mode
+    plt.store(o_ref.at[tok[:, None], head[:, None], d[None, :]], out, mask=in_row[:, None])
 
 
 def ragged_paged_attention(q, k_pool, v_pool, q_positions, block_tables, seq_lens, query_start_loc, block_row,
@@ -175,11 +177,13 @@ def ragged_paged_attention(q, k_pool, v_pool, q_positions, block_tables, seq_len
     kernel = functools.partial(_kernel, BQ=BQ, G=G, PB=PB)
     # Tokens in no block (padding) keep the zeros of the aliased output: garbage there could reach a
     # later layer's state through a NaN times a zero gate.
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(NB, Hkv), input_output_aliases={9: 0},
+    zeros = jnp.zeros((T + BQ, Hq, D), q.dtype)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype), grid=(NB, Hkv), input_output_aliases={9: 0},
         interpret=interpret_default(interpret), compiler_params=triton_params(num_warps),
     )(i32(block_row), i32(block_start), i32(query_start_loc), i32(seq_lens), i32(block_tables), i32(q_positions),
-      q, k_pool, v_pool, jnp.zeros_like(q))
+      q, k_pool, v_pool, zeros)
+    return out[:T]
 
 
 def kernel_supports(head_dim: int, page_size: int, num_heads: int, num_kv_heads: int) -> bool:

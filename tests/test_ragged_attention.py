@@ -74,12 +74,12 @@ def kernel_inputs(case, bq):
     return q, k_pool, v_pool, pos, bt, seq, qsl, jnp.asarray(rows), jnp.asarray(starts)
 
 
-@pytest.mark.parametrize("Hq, Hkv, dtype, ps", [(4, 2, jnp.float32, 16), (8, 2, jnp.bfloat16, 16),
-                                                 (4, 1, jnp.float32, 8), (2, 2, jnp.float32, 32)])
-def test_kernel_equals_reference(Hq, Hkv, dtype, ps):
+@pytest.mark.parametrize("Hq, Hkv, dtype, ps, pad_tokens", [(4, 2, jnp.float32, 16, 7), (8, 2, jnp.bfloat16, 16, 7),
+                                                             (4, 1, jnp.float32, 8, 0), (2, 2, jnp.float32, 32, 7)])
+def test_kernel_equals_reference(Hq, Hkv, dtype, ps, pad_tokens):
     """Groups of 2, 4 and 1 query heads per KV head (query blocks of 32, 16, 64 tokens), pages of 8 to 32
-    tokens, fp32 and bf16; rows that span several blocks and blocks that end inside a row."""
-    case = ragged_case(seed=Hq + ps, Hq=Hq, Hkv=Hkv, ps=ps, dtype=dtype, MP=96 // ps)
+    tokens, fp32 and bf16; rows that span several blocks, blocks that end inside a row or at the step's end."""
+    case = ragged_case(seed=Hq + ps, Hq=Hq, Hkv=Hkv, ps=ps, dtype=dtype, MP=96 // ps, pad_tokens=pad_tokens)
     bq = block_queries(Hq, Hkv)
     ref = ragged_paged_attention_reference(*case[:7])
     out = ragged_paged_attention(*kernel_inputs(case, bq))
