@@ -5,8 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import on_gpu
-
 from .config import ModelConfig
 from .mlp import linear, project
 from .norms import rms_norm_1p, upcast
@@ -50,29 +48,6 @@ def gqa_attention(q, k, v, q_positions, k_positions, k_valid=None):
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, Hq, D)
-
-
-def fresh_prompt_attention(q, k, v, num_valid, positions, valid):
-    """Causal GQA attention of rows that each start at position 0, so each row's keys are its own K/V.
-
-    q: [R, Q, Hq, D]; k, v: [R, Q, Hkv, D]; num_valid: [R] real tokens of each row (cells 0 .. n-1, at
-    positions 0 .. n-1); positions, valid: [R, Q]. Returns [R, Q, Hq, D] in q.dtype, zeros at padding cells.
-    On a GPU this is cuDNN's flash attention (no [Q, Q] score matrix in memory) for the shapes it takes
-    (bf16/fp16, head_dim <= 256 and a multiple of 8 on Hopper; it refuses others while tracing); otherwise,
-    and off the GPU, it is `gqa_attention` over the row's keys.
-    """
-    D = q.shape[-1]
-    out = None
-    if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and D <= 256 and D % 8 == 0:
-        lengths = jnp.maximum(num_valid, 1).astype(jnp.int32)  # an empty (padding) row still gets finite rows
-        try:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
-                                               key_value_seq_lengths=lengths, implementation="cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            out = None
-    if out is None:
-        out = gqa_attention(q, k, v, positions, positions, valid)
-    return jnp.where(valid[..., None, None], out, 0).astype(q.dtype)
 
 
 def write_kv(kv: KVCache, k, v, start) -> KVCache:

@@ -72,24 +72,6 @@ class EngineState:
     num_computed: Array  # [num_slots] int32
 
 
-def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
-    layers = len(cfg.attention_layer_ids) + (cfg.mtp_num_hidden_layers if with_mtp else 0)
-    return 2 * layers * ecfg.kv_page_size * cfg.num_key_value_heads * cfg.head_dim * ecfg.jnp_dtype.itemsize
-
-
-def resolve_num_kv_pages(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
-    """num_kv_pages if set; else a fraction of free accelerator memory; else room for every slot."""
-    if ecfg.num_kv_pages is not None:
-        return ecfg.num_kv_pages
-    full = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        by_memory = int(free * ecfg.kv_memory_fraction) // max(1, kv_bytes_per_page(cfg, ecfg, with_mtp))
-        return max(2, min(full, by_memory))
-    return full
-
-
 def init_engine_state(
     cfg: ModelConfig, ecfg: EngineConfig, num_pages: int, num_spec: int = 0, with_mtp: bool = False,
     garbage_seed: int | None = None,

@@ -15,12 +15,13 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
-from .cache import init_engine_state, resolve_num_kv_pages
+from .cache import init_engine_state
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from pallas_kernels.ragged_attention import block_queries
 
 from .input_batch import BlockTables, StepArrays, build_step, empty_step
+from .memory import device_memory, plan_memory
 from .params import ModelParams, serving_layout
 from .pd import export_handoff, import_handoff
 from .programs import ProgramSet, StepShape
@@ -31,34 +32,48 @@ from .scheduler import Scheduler, SchedulerOutput
 
 
 class LLMEngine:
+    """device: the JAX device of the engine's weights and state (None: JAX's default). memory_share: the part of
+    the memory budget left on the device this engine takes (a PD prefill worker beside its decode worker)."""
+
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *, input_impl: str = "xla",
-                 garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None):
+                 garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
+                 memory_share: float = 1.0):
         self.cfg, self.ecfg = cfg, ecfg
         self.K = ecfg.num_speculative_tokens
         if self.K and params.mtp is None:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head (mtp.* tensors)")
         with_mtp = params.mtp is not None and self.K > 0
-        num_pages = resolve_num_kv_pages(cfg, ecfg, with_mtp=with_mtp)
-        if num_pages - 1 < ecfg.max_pages_per_seq:
-            raise ValueError(
-                f"EngineConfig: {num_pages - 1} usable KV pages cannot hold one sequence of max_model_len "
-                f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
-            )
         if ecfg.compilation_cache:
             enable_compilation_cache()
-        self.scheduler = Scheduler(ecfg, num_pages)
-        state = init_engine_state(cfg, ecfg, num_pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage_seed)
         # a copy of the weights unless the caller passed them in this layout (LLM does)
         params = serving_layout(params, ecfg.fold_norms)
         if device is not None:
-            params, state = jax.device_put((params, state), device)
+            params = jax.device_put(params, device)
         self.device = device
-        self.runner = ModelRunner(params, cfg, state, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
+        platform = device.platform if device is not None else jax.default_backend()
+        self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
+        self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
+        self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
+        self.block_q = block_queries(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.runner = ModelRunner(params, cfg, None, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
                                   input_impl=input_impl,
                                   reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device,
                                   rebases=ecfg.uses_async_scheduling and self.K > 0,
                                   fused_decode=ecfg.fused_decode_kernels,
                                   library_gemms_min_tokens=ecfg.library_gemms_min_tokens)
+        new_state = lambda pages, garbage=None: init_engine_state(  # noqa: E731
+            cfg, ecfg, pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage)
+        self.memory = plan_memory(cfg, ecfg, with_mtp, device_memory(device),
+                                  lambda pages: self._step_peak(jax.eval_shape(lambda: new_state(pages))), memory_share)
+        num_pages = self.memory.num_kv_pages
+        if num_pages - 1 < ecfg.max_pages_per_seq:
+            raise ValueError(
+                f"EngineConfig: {num_pages - 1} usable KV pages cannot hold one sequence of max_model_len "
+                f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
+            )
+        self.scheduler = Scheduler(ecfg, num_pages)
+        state = new_state(num_pages, garbage_seed)
+        self.runner.state = jax.device_put(state, device) if device is not None else state
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -79,13 +94,16 @@ class LLMEngine:
         # Async scheduling: the dispatched step whose results are not applied yet.
         self.async_scheduling = ecfg.uses_async_scheduling
         self._in_flight: _InFlight | None = None
-        # Decode steps per launch when every row is a plain decode (async scheduling only).
-        platform = device.platform if device is not None else jax.default_backend()
-        self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.num_launches = 0
-        self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
-        self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
-        self.block_q = block_queries(cfg.num_attention_heads, cfg.num_key_value_heads)
+
+    def _step_peak(self, state) -> int:
+        """Bytes of the temporaries of the largest ragged step program (sampled), compiled on `state`
+        (abstract: only its shapes matter)."""
+        tokens = self.programs.token_buckets[-1]
+        shape = StepShape(tokens, self.programs.rows_for(tokens))
+        _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
+        compiled = self.runner.lower(layout, True, state=state).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs
     def program_keys(self, sampled: bool = True) -> list[tuple]:

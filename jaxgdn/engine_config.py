@@ -44,8 +44,10 @@ class EngineConfig:
     max_num_seqs: running requests at once (= persistent request slots; slot 0 is the null slot).
     max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
     max_model_len: longest sequence (prompt + output) a request may reach.
-    kv_page_size / num_kv_pages: the paged KV pool; num_kv_pages None = kv_memory_fraction of the
-      accelerator's free memory when it reports it, else enough for every slot at max_model_len.
+    kv_page_size / num_kv_pages: the paged KV pool; num_kv_pages None = planned from gpu_memory_utilization
+      where the device reports its memory (`memory.plan_memory`), else enough for every slot at max_model_len.
+    gpu_memory_utilization: the fraction of the device's memory the engine may use (vLLM's knob): the weights,
+      the GDN slots, the largest step program's temporaries, and the KV pages, which get what remains.
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
     gdn_impl: GDN recurrence: "auto" (on a GPU: decode/verify rows on the in-place pool kernel, prompts
@@ -63,6 +65,8 @@ class EngineConfig:
     reproduce_pd_mtp_bug: restore vLLM's pre-#47466 behaviour (unguarded last_sampled overwrite and the
       old spec-row rule num_computed >= num_prompt). For demonstrations and tests only.
     prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
+    precompile: `LLM(...)` compiles every step program of the engine (`programs.ProgramSet`) before it serves,
+      so traffic never waits on the compiler; False compiles each program when a step first needs it (tests).
     compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
       cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
       Programs that compiled in >= $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5) are kept.
@@ -104,12 +108,12 @@ class EngineConfig:
       Triton GEMMs, faster there (docs/gpu-log.md, r24).
     """
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     kv_page_size: int = 16
     num_kv_pages: int | None = None
-    kv_memory_fraction: float = 0.5
+    gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     dtype: str = "bfloat16"
     gdn_impl: str = "auto"
@@ -120,6 +124,7 @@ class EngineConfig:
     reproduce_pd_mtp_bug: bool = False
     prefill_device: int | None = None
     decode_device: int | None = None
+    precompile: bool = True
     compilation_cache: bool = True
     async_scheduling: bool | None = None
     decode_steps_per_launch: int | None = None
@@ -134,7 +139,7 @@ class EngineConfig:
             (self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.kv_page_size >= 1, "kv_page_size must be >= 1"),
             (self.num_kv_pages is None or self.num_kv_pages >= 2, "num_kv_pages must be >= 2 (page 0 is the null page)"),
-            (0 < self.kv_memory_fraction <= 1, "kv_memory_fraction must be in (0, 1]"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
             (self.attention_impl in ("auto", "xla", "pallas"), "attention_impl must be 'auto', 'xla' or 'pallas'"),

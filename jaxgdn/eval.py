@@ -97,7 +97,8 @@ def run_config(model: str, prompts: list[str], answers: list[int], sc: ServeConf
                         max_model_len=args.max_model_len, kv_page_size=16,
                         num_kv_pages=1 + sc.concurrency * pages_per_seq,  # every request at full length
                         dtype=args.dtype, pd=sc.pd, num_speculative_tokens=sc.num_speculative_tokens,
-                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug)
+                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug,
+                        precompile=False)  # greedy requests known up front: compile the programs they use
     llm = LLM(model, ecfg)
     if llm.tokenizer is None:
         raise SystemExit(f"jaxgdn.eval: {model} has no tokenizer; text prompts need one")

@@ -48,6 +48,9 @@ def parse_args(argv=None):
     e.add_argument("--kv-page-size", type=int, default=16)
     e.add_argument("--num-kv-pages", type=int, default=None)
     e.add_argument("--enforce-eager", action="store_true", help="exact shapes, no bucket padding")
+    e.add_argument("--precompile", choices=["on", "off"], default=None,
+                   help="compile every step program before serving (default on; off for the no-argument demo, "
+                        "whose few requests need only some of them)")
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
                    help="input-assembly kernel (triton needs a GPU with jax-triton)")
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
         args.max_tokens = max(args.max_tokens, 256)
         if args.num_speculative_tokens is None:
             args.num_speculative_tokens = 1
+        args.precompile = args.precompile or "off"
         print(f"jaxgdn demo: {model.name} on {len(demo)} test problems, PD + MTP K={args.num_speculative_tokens}")
     args.num_speculative_tokens = args.num_speculative_tokens or 0
     if model is None:
@@ -146,7 +150,7 @@ def main(argv=None) -> int:
             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
             decode_steps_per_launch=args.decode_steps_per_launch, fold_norms=not args.no_fold_norms,
             fused_decode_kernels=not args.no_fused_decode_kernels,
-            library_gemms_min_tokens=args.library_gemms_min_tokens,
+            library_gemms_min_tokens=args.library_gemms_min_tokens, precompile=args.precompile != "off",
         )
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:

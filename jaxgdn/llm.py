@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -19,6 +21,7 @@ from .request import RequestOutput, SamplingParams
 from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger("jaxgdn")
 
 
 class LLM:
@@ -45,8 +48,11 @@ class LLM:
         if self.config.pd:
             devices = jax.devices()
             pick = lambda i: devices[i % len(devices)] if i is not None else None  # noqa: E731
+            # on one device the prefill worker plans half of the memory left, the decode worker the rest
+            share = 0.5 if pick(self.config.prefill_device) == pick(self.config.decode_device) else 1.0
             self.prefill_worker = PrefillWorker(params, self.model_config, self.config, input_impl=input_impl,
-                                                garbage_seed=garbage_seed, device=pick(self.config.prefill_device))
+                                                garbage_seed=garbage_seed, device=pick(self.config.prefill_device),
+                                                memory_share=share)
             self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
                                        decode=decode, device=pick(self.config.decode_device))
@@ -54,6 +60,30 @@ class LLM:
             self.prefill_worker = None
             self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
                                     garbage_seed=garbage_seed, decode=decode)
+        for e in self.engines:
+            logger.info(e.memory.describe(self.config))
+        if self.config.precompile:
+            self.precompile()
+
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [e for e in (self.prefill_worker, self.engine) if e is not None]
+
+    def precompile(self, use_tqdm: bool = True) -> int:
+        """Compile every step program of the engine(s) now, with a progress bar and a log line; returns how
+        many were compiled. (A PD prefill worker's steps never sample: its greedy programs only.)"""
+        t0 = time.perf_counter()
+        keys = {id(e): e.program_keys(sampled=e is not self.prefill_worker) for e in self.engines}
+        total = sum(map(len, keys.values()))
+        with tqdm(total=total, desc="compile", unit="program", disable=not use_tqdm) as bar:
+            compiled = sum(e.precompile(bar.update, sampled=e is not self.prefill_worker) for e in self.engines)
+        logger.info("compiled %d step programs in %.1f s", compiled, time.perf_counter() - t0)
+        return compiled
+
+    @property
+    def compiles_after_startup(self) -> int:
+        """Step programs compiled after start-up's precompile (0: no request ever waited on the compiler)."""
+        return sum(e.compiles_after_startup for e in self.engines)
 
     def _encode(self, prompt: Prompt) -> list[int] | str:
         """Token ids, or an error message for a text prompt without a tokenizer."""

@@ -371,13 +371,15 @@ class ModelRunner:
         """(layout, stochastic, num_steps, width) of every compiled program."""
         return list(self._programs)
 
-    def lower(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
-        """The lowered step program of a packed layout and static setting."""
+    def lower(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0, state=None):
+        """The lowered step program of a packed layout and static setting (on `state`, default the runner's;
+        shapes are all that matter)."""
         size = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout)
         sharding = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None
         buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)  # noqa: E731
-        return self.program(layout).lower(self.params, self.state, buf(size + 1), buf(size), layout, stochastic,
-                                          num_steps, width)
+        state = self.state if state is None else state
+        return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, stochastic, num_steps,
+                                          width)
 
     def compiled(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
         """The compiled program of a launch, compiling it now if it is new (counted after start-up)."""

@@ -20,7 +20,7 @@ def test_cli_generates_greedy_tokens(tmp_path, capsys, monkeypatch, flags):
     params = init_random_params(cfg, seed=2)
     save_checkpoint(tmp_path / "ck", cfg, params)
     rc = generate.main(["--model", str(tmp_path / "ck"), "--prompt-ids", "5,6,7", "--max-tokens", "4",
-                        "--max-model-len", "64", "--kv-page-size", "8", *flags])
+                        "--max-model-len", "64", "--kv-page-size", "8", "--max-num-batched-tokens", "32", *flags])
     assert rc == 0
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith("ids [")][0]

@@ -20,11 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu"
     ("triton", 24, "auto", None), ("pallas", 24, "auto", None), ("pallas", 32, "auto", None),
     ("pallas", 32, "pallas", None), ("pallas", 32, "auto", "split")])
 def test_pd_mtp_engine_on_gpu_equals_plain_greedy(monkeypatch, input_impl, dv, gdn_impl, attention_form):
-    """auto with dv 32: decode and verify rows on the in-place pool kernel; auto with dv 24 (not a tile,
-    so the pool cannot be read in place): the recurrent kernel on gathered, padded states; pallas: the
-    chunked kernel for every row. attention_form "split": the decode attention kernel's grouped form with
-    each row's pages split over programs for every decode and verify step (the rule picks the per-query-head
-    form for these few short rows)."""
+    """auto with dv 32: the ragged GDN kernels (short rows on the pool in place, long rows chunked); auto with
+    dv 24 (not a tile, so the pool cannot be read in place): the XLA recurrence; pallas: the kernels by name.
+    attention_form "split": the decode attention kernel's grouped form with each row's pages split over
+    programs (PD runs one step a launch: ragged programs only, so this checks that nothing breaks)."""
     if attention_form == "split":
         from pallas_kernels import decode_attention
         from test_decode_attention import use_form
@@ -170,61 +169,49 @@ def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chai
     assert_same_layer(got, want, view, kv, 3e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
-@pytest.mark.parametrize("dtype, D, Q", [("float32", 32, 20), ("bfloat16", 256, 1), ("bfloat16", 256, 40)])
-def test_paged_attention_kernel_compiled_equals_reference(dtype, D, Q):
+@pytest.mark.parametrize("Hq, Hkv, D, dtype, pad_tokens", [(8, 2, 256, "bfloat16", 7), (8, 2, 256, "bfloat16", 0),
+                                                            (4, 2, 32, "float32", 7)])
+def test_ragged_attention_kernel_compiled_equals_reference(Hq, Hkv, D, dtype, pad_tokens):
+    """The ragged paged attention kernel compiled (the 0.8B widths first) against the XLA reference on a mix of
+    a decode row, prompt chunks, a fresh prompt and a verify window."""
     import jax.numpy as jnp
 
-    from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
-    from test_paged_attention import paged_case
+    from pallas_kernels.ragged_attention import block_queries, ragged_paged_attention, ragged_paged_attention_reference
+    from test_ragged_attention import kernel_inputs, ragged_case
 
-    args = paged_case(seed=Q, Q=Q, D=D, dtype=getattr(jnp, dtype))
+    case = ragged_case(seed=D, Hq=Hq, Hkv=Hkv, D=D, dtype=getattr(jnp, dtype), pad_tokens=pad_tokens,
+                       rows=((37, 1), (16, 200), (0, 300), (70, 3), (5, 1)), MP=24)
     with jax.default_matmul_precision("highest"):
-        ref = jax.jit(paged_attention_reference)(*args).astype(jnp.float32)
-    out = jax.jit(paged_attention_pallas)(*args).astype(jnp.float32)
+        ref = jax.jit(ragged_paged_attention_reference)(*case[:7]).astype(jnp.float32)
+    out = jax.jit(ragged_paged_attention)(*kernel_inputs(case, block_queries(Hq, Hkv))).astype(jnp.float32)
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert float(jnp.abs(out - ref).max()) <= tol * max(1.0, float(jnp.abs(ref).max()))
 
 
-def test_paged_attention_kernel_compiled_on_a_whole_prompt_equals_reference():
-    """The long-row configuration (64-query blocks, 8 warps, causal page bound) on a 300-token prompt."""
+@pytest.mark.parametrize("lengths, dtype", [((1, 3, 20, 4, 70, 1, 16, 17, 130), "float32"),
+                                            ((1, 4, 300, 2048, 1, 3), "bfloat16")])
+def test_ragged_gdn_kernels_compiled_equal_the_reference(lengths, dtype):
+    """The ragged GDN kernels compiled at the 0.8B head widths (Hk = Hv = 16, dk = dv = 128): short rows on the
+    token loop, long rows on the chunked form, the pool written in place."""
     import jax.numpy as jnp
 
-    from pallas_kernels.paged_attention import paged_attention_pallas, paged_attention_reference
-    from test_paged_attention import paged_case
+    from pallas_kernels.gdn_ragged import gdn_ragged_reference
+    from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
+    from test_gdn_ragged import expected_pool, gdn_case
 
-    q, k_pool, v_pool, bt, qpos, seq = paged_case(seed=3, R=2, Q=320, MP=20, D=256, dtype=jnp.bfloat16, lens=(300, 170),
-                                                  whole_prompts=True)
+    q, k, v, g, beta, pool, qsl, token_row, slots, start, fresh, verify = gdn_case(
+        len(lengths), lengths, Hk=16, Hv=16, dk=128, dv=128, dtype=getattr(jnp, dtype), pad_tokens=0)
+    W = pool.shape[1]
+    init = jnp.where(fresh[:, None, None, None], 0, pool[slots, start])
     with jax.default_matmul_precision("highest"):
-        ref = jax.jit(paged_attention_reference)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)
-    out = jax.jit(paged_attention_pallas)(q, k_pool, v_pool, bt, qpos, seq).astype(jnp.float32)
-    assert float(jnp.abs(out - ref).max()) <= 3e-2 * max(1.0, float(jnp.abs(ref).max()))
-
-
-@pytest.mark.parametrize("dtype, D", [("bfloat16", 256), ("bfloat16", 32), ("float32", 32)])
-def test_whole_prompt_attention_compiled_equals_reference(dtype, D):
-    """`fresh_prompt_attention` (a prefill step of whole prompts) on two rows, one padded: cuDNN's flash
-    kernel where it takes the shape (bf16; the compiled program must hold its call, no silent fallback),
-    XLA's dense form otherwise (fp32), both against the fp32 reference."""
-    import jax.numpy as jnp
-
-    from jaxgdn.attention import fresh_prompt_attention, gqa_attention
-
-    R, Q, Hq, Hkv = 2, 300, 8, 2
-    keys = jax.random.split(jax.random.PRNGKey(4), 3)
-    q = jax.random.normal(keys[0], (R, Q, Hq, D), dtype)
-    k, v = (jax.random.normal(kk, (R, Q, Hkv, D), dtype) for kk in keys[1:])
-    num_valid = jnp.array([Q, 170], jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (R, Q))
-    valid = pos < num_valid[:, None]
-    f = jax.jit(fresh_prompt_attention)
-    uses_cudnn = "cudnn" in f.lower(q, k, v, num_valid, pos, valid).compile().as_text().lower()
-    assert uses_cudnn == (dtype == "bfloat16")
-    with jax.default_matmul_precision("highest"):
-        ref = gqa_attention(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, valid)
-    out = f(q, k, v, num_valid, pos, valid).astype(jnp.float32)
-    err = jnp.abs(jnp.where(valid[..., None, None], out - ref, 0)).max()
-    assert float(err) <= (3e-2 if dtype == "bfloat16" else 1e-4) * max(1.0, float(jnp.abs(ref).max()))
-    assert not jnp.any(jnp.where(valid[..., None, None], 0, out))  # padding cells are zeros
+        o_ref, final, checkpoints = jax.jit(gdn_ragged_reference, static_argnums=8)(
+            *(x.astype(jnp.float32) for x in (q, k, v)), g, beta, token_row, qsl, init, W)
+    o, new_pool = jax.jit(gdn_ragged_pallas)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
+    err = lambda a, b: float(jnp.abs(a - b).max() / max(1.0, float(jnp.abs(b).max())))  # noqa: E731
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert err(o, o_ref) <= tol
+    want = expected_pool(pool, (final, checkpoints), slots, np.asarray(verify))
+    assert err(new_pool[1:], jnp.asarray(want[1:])) <= tol
 
 
 def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
@@ -385,8 +372,8 @@ def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
 def test_kv_write_kernel_compiled_equals_scatter():
     import jax.numpy as jnp
 
-    from pallas_kernels.paged_attention import write_kv_pallas
-    from test_paged_attention import kv_write_case
+    from pallas_kernels.kv_write import write_kv_pallas
+    from test_ragged_attention import kv_write_case
 
     k_pool, v_pool, slots, k, v = kv_write_case(P=300, ps=16, D=256, N=128, dtype=jnp.bfloat16)
     expect = [pool.reshape(-1, 2, 256).at[slots].set(x).reshape(pool.shape) for pool, x in ((k_pool, k), (v_pool, v))]

@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(checkpoint):
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=128, kv_page_size=8, dtype="float32")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=128, kv_page_size=8, dtype="float32", precompile=False)
     sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=12, seed=1234)
     alone = LLM(str(checkpoint), cfg).generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
     others = [[9] * 40, [1, 2], [100, 101, 102, 103, 104]]
@@ -54,7 +54,7 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(checkpoint):
 
 
 def test_text_prompts_need_a_tokenizer(checkpoint):
-    llm = LLM(str(checkpoint), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32"))
+    llm = LLM(str(checkpoint), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32", precompile=False))
     outs = llm.generate(["hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert outs[0].finish_reason == "error" and "no tokenizer" in outs[0].error
     assert outs[1].error is None and len(outs[1].token_ids) == 3 and outs[1].ttft is not None
@@ -71,7 +71,7 @@ def test_tokenizer_json_gives_text(checkpoint, tmp_path):
 
     shutil.copytree(checkpoint, ck)
     tok.save(str(ck / "tokenizer.json"))
-    llm = LLM(str(ck), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32"))
+    llm = LLM(str(ck), EngineConfig(max_model_len=64, kv_page_size=8, dtype="float32", precompile=False))
     text_out, ids_out = llm.generate(["w5 w6 w7", [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert text_out.token_ids == ids_out.token_ids
     assert text_out.text == " ".join(f"w{t}" for t in ids_out.token_ids)

@@ -1,0 +1,92 @@
+"""Memory planned up front, like vLLM's gpu_memory_utilization.
+
+An engine may use `gpu_memory_utilization` of the device's memory (a PD prefill worker sharing the device
+with its decode worker, `share` of what is left). From that budget come, in order: what is in use already
+(the weights), the GDN slot pools (fixed by max_num_seqs), the temporaries of the largest step program
+(measured: that program compiled on a minimal pool) and a margin; the KV pages get the rest, at most as many
+as every slot at max_model_len can use. A configuration whose budget cannot hold one sequence of
+max_model_len fails at construction, naming the knobs. Off the GPU (no memory limit reported) the pool holds
+every slot at max_model_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from .config import ModelConfig
+from .engine_config import EngineConfig
+
+GiB = 1 << 30
+MARGIN_BYTES = 256 << 20  # XLA's and the runtime's own allocations beside the engine's buffers
+
+
+def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
+    """Bytes of one KV page across every attention layer (and the MTP layer's)."""
+    layers = len(cfg.attention_layer_ids) + (cfg.mtp_num_hidden_layers if with_mtp else 0)
+    return 2 * layers * ecfg.kv_page_size * cfg.num_key_value_heads * cfg.head_dim * ecfg.jnp_dtype.itemsize
+
+
+def gdn_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """Bytes of the GDN slot pools: per slot and GDN layer a conv buffer of Kc-1+K inputs (activation dtype)
+    and 1+K fp32 recurrent states."""
+    K = ecfg.num_speculative_tokens
+    conv = (cfg.linear_conv_kernel_dim - 1 + K) * cfg.conv_dim * ecfg.jnp_dtype.itemsize
+    ssm = (1 + K) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return ecfg.num_slots * len(cfg.gdn_layer_ids) * (conv + ssm)
+
+
+def device_memory(device=None) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of the device (default: JAX's first), or None where it reports no limit."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    num_kv_pages: int  # page 0 included (the null page)
+    page_bytes: int
+    gdn_bytes: int
+    step_peak: int  # temporaries of the largest step program (0: not measured)
+    budget: int | None  # bytes the engine may use beside what was in use (None: no device limit)
+
+    def describe(self, ecfg: EngineConfig) -> str:
+        pages = self.num_kv_pages - 1
+        parts = [f"KV pages {pages} ({pages * ecfg.kv_page_size} tokens of context, "
+                 f"{pages * self.page_bytes / GiB:.2f} GiB)",
+                 f"GDN slots {ecfg.max_num_seqs} ({self.gdn_bytes / GiB:.2f} GiB)"]
+        if self.budget is not None:
+            parts += [f"largest step program {self.step_peak / GiB:.2f} GiB", f"budget {self.budget / GiB:.2f} GiB"]
+        return "memory: " + ", ".join(parts)
+
+
+def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, int] | None,
+                step_peak: Callable[[int], int], share: float = 1.0) -> MemoryPlan:
+    """The engine's KV page count (module docstring). memory: device_memory(); step_peak(num_pages): bytes of
+    the largest step program's temporaries, compiled on a pool of num_pages pages."""
+    page = kv_bytes_per_page(cfg, ecfg, with_mtp)
+    gdn = gdn_slot_bytes(cfg, ecfg)
+    every_slot = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
+    if ecfg.num_kv_pages is not None:
+        return MemoryPlan(ecfg.num_kv_pages, page, gdn, 0, None)
+    if memory is None:
+        return MemoryPlan(every_slot, page, gdn, 0, None)
+    limit, in_use = memory
+    budget = int(share * (ecfg.gpu_memory_utilization * limit - in_use))
+    one_sequence = ecfg.max_pages_per_seq + 1
+    peak = step_peak(one_sequence)
+    pages = (budget - gdn - peak - MARGIN_BYTES) // max(page, 1)
+    if pages < one_sequence:
+        raise ValueError(
+            f"EngineConfig: the memory budget of {budget / GiB:.2f} GiB (gpu_memory_utilization "
+            f"{ecfg.gpu_memory_utilization} of the device's {limit / GiB:.1f} GiB, less {in_use / GiB:.2f} GiB in "
+            f"use{'' if share == 1 else f', times the share {share}'}) leaves {max(pages, 0)} KV pages after the GDN "
+            f"slots ({gdn / GiB:.2f} GiB for max_num_seqs {ecfg.max_num_seqs}) and the largest step program "
+            f"({peak / GiB:.2f} GiB for max_num_batched_tokens {ecfg.max_num_batched_tokens}); one sequence of "
+            f"max_model_len {ecfg.max_model_len} needs {one_sequence}. Lower max_num_seqs, max_num_batched_tokens "
+            f"or max_model_len, or raise gpu_memory_utilization.")
+    return MemoryPlan(int(min(pages, every_slot)), page, gdn, peak, budget)

@@ -1,0 +1,60 @@
+"""Memory planned up front: the KV pages get what the budget leaves after what is in use, the GDN slots and the
+largest step program's temporaries; a configuration that cannot hold one sequence fails at construction,
+naming the knobs; off the GPU the pool holds every slot at max_model_len."""
+
+import pytest
+
+from helpers import small_config
+from jaxgdn import engine as engine_module
+from jaxgdn.engine import LLMEngine
+from jaxgdn.engine_config import EngineConfig
+from jaxgdn.memory import GiB, MARGIN_BYTES, gdn_slot_bytes, kv_bytes_per_page, plan_memory
+from jaxgdn.params import init_random_params
+
+CFG = small_config()
+
+
+def ecfg(**kw):
+    return EngineConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, kv_page_size=16), **kw})
+
+
+def test_the_pages_get_what_the_budget_leaves():
+    config = ecfg(gpu_memory_utilization=0.5)
+    page, gdn = kv_bytes_per_page(CFG, config, False), gdn_slot_bytes(CFG, config)
+    peaks = []
+    plan = plan_memory(CFG, config, False, (4 * GiB, GiB), lambda pages: peaks.append(pages) or 100 << 20)
+    assert peaks == [config.max_pages_per_seq + 1]  # measured on a pool of one sequence
+    budget = int(0.5 * 4 * GiB - GiB)
+    want = (budget - gdn - (100 << 20) - MARGIN_BYTES) // page
+    assert plan.num_kv_pages == min(want, 8 * config.max_pages_per_seq + 1)
+    assert plan.budget == budget and plan.step_peak == 100 << 20 and "KV pages" in plan.describe(config)
+    half = plan_memory(CFG, config, False, (4 * GiB, GiB), lambda pages: 0, share=0.5)
+    assert half.budget == budget // 2
+    # off the GPU: every slot at max_model_len; num_kv_pages given: as given
+    assert plan_memory(CFG, config, False, None, None).num_kv_pages == 8 * config.max_pages_per_seq + 1
+    assert plan_memory(CFG, ecfg(num_kv_pages=40), False, (GiB, 0), None).num_kv_pages == 40
+
+
+def test_the_gdn_slots_count_against_the_budget_and_a_tight_one_fails_naming_the_knobs():
+    """Qwen3.5-0.8B's GDN state is 1 MiB a layer and checkpoint: 256 slots with K = 3 take 18 GiB."""
+    from jaxgdn.config import qwen35_0_8b
+
+    big = qwen35_0_8b()
+    config = EngineConfig(max_num_seqs=256, num_speculative_tokens=3)
+    assert gdn_slot_bytes(big, config) > 18 * GiB
+    with pytest.raises(ValueError, match="max_num_seqs 256.*gpu_memory_utilization"):
+        plan_memory(big, config, True, (20 * GiB, 2 * GiB), lambda pages: GiB)
+
+
+def test_an_engine_plans_its_pool_from_the_device_memory_and_measures_its_largest_program(monkeypatch):
+    """With a device that reports 1 GiB (faked on the CPU) the engine compiles its largest program to measure
+    its temporaries and sizes its pool from what is left."""
+    monkeypatch.setattr(engine_module, "device_memory", lambda device=None: (GiB, 64 << 20))
+    params = init_random_params(CFG, seed=0)
+    eng = LLMEngine(params, CFG, ecfg(gpu_memory_utilization=0.9, dtype="float32", max_num_seqs=2))
+    plan = eng.memory
+    assert plan.step_peak > 0 and plan.budget == int(0.9 * GiB - (64 << 20))
+    assert eng.runner.state.layers[-1].k.shape[0] == plan.num_kv_pages == eng.scheduler.pages.num_free + 1
+    monkeypatch.setattr(engine_module, "device_memory", lambda device=None: (64 << 20, 0))
+    with pytest.raises(ValueError, match="Lower max_num_seqs, max_num_batched_tokens or max_model_len"):
+        LLMEngine(params, CFG, ecfg(dtype="float32"))
