@@ -103,15 +103,6 @@ def test_tables_render_the_committed_results(capsys):
     assert set(TABLES) >= {json.loads(p.read_text())["benchmark"] for p in paths}
 
 
-def test_startup_bench_warm_run_reuses_the_persistent_cache(tmp_path):
-    """Two fresh processes on one cache directory: the second loads compiled steps instead of compiling."""
-    d = run(tmp_path, "startup", "--model", TINY, "--requests", "2", "--prompt-len", "8", "--max-tokens", "4",
-            "--k", "1", "--cache-dir", str(tmp_path / "cache"))
-    cold, warm = d["rows"]
-    assert d["cache_files"] > 0 and cold["compiled_shapes"] == warm["compiled_shapes"] >= 1
-    assert warm["workload_s"] < 0.7 * cold["workload_s"]
-
-
 def test_profile_calls_summarises_a_traced_function():
     """The probes' timer: a trace of back-to-back calls, summarised per call (host events on a CPU)."""
     import jax
@@ -124,3 +115,26 @@ def test_profile_calls_summarises_a_traced_function():
     assert one["busy_us"] > 0 and one["events"] > 0
     halves = profile_calls(jax.jit(lambda x: x @ x), x, iters=4, divide_by=8)
     assert halves["events"] < one["events"]  # the same kind of trace, per 8 units instead of per 4 calls
+
+
+def test_serve_bench_runs_a_workload_cold_and_warm_with_no_compile_after_start_up(tmp_path):
+    """Two fresh processes (an empty compilation cache, then the filled one), the workload's every request to
+    its length at Poisson arrivals, latency percentiles, the bound, and the transformers peer (its continuous
+    batching refuses the hybrid cache: recorded, then `generate` timed)."""
+    d = run(tmp_path, "serve", "--model", TINY, "--num-prompts", "10", "--input-len", "8", "40", "--output-len", "4",
+            "12", "--request-rate", "40", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+            "--max-model-len", "96", "--matmul-size", "128", "--bandwidth-bytes", "1000000")
+    cold = d["cold_process"]
+    assert cold["compiles_after_startup"] == 0 and cold["programs"] == d["warm_cache_startup"]["programs"] == 4
+    from jaxgdn.bench.traffic import make_requests
+
+    class Args:
+        dataset, num_prompts, input_len, output_len, seed, max_model_len, model = "random", 10, (8, 40), (4, 12), 0, 96, TINY
+
+    want_outputs = sum(o for _, o in make_requests(Args, 256))
+    for run_ in (cold["cold"], cold["warm"]):
+        assert run_["finished"] == 10 and run_["errors"] == 0 and run_["output_tokens"] == want_outputs
+        assert 0 < run_["ttft_ms"]["p50"] <= run_["ttft_ms"]["p99"] and run_["tpot_ms"]["p50"] > 0
+    assert cold["bound"]["total_s"] > 0 and cold["warm"]["fraction_of_bound"] > 0
+    peer = d["transformers"]
+    assert peer.get("wall_s", 0) > 0 or "error" in peer

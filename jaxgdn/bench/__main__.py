@@ -7,7 +7,8 @@ Sub-commands:
   prefill  engine prefill steps on the 0.8B config vs the FLOP floor and transformers
   spec     MTP K=0..3: real acceptance on the shipped model; measured step cost x modeled acceptance on 0.8B
   pd       PD handoff bytes, serialisation and device-move time per request (one and two devices)
-  startup  fresh-process time to a finished workload, cold vs with the persistent compilation cache
+  serve    the serving benchmark: a seeded workload (random, sharegpt-like, the shipped task) all at once or
+           at a request rate; start-up, cold and warm wall time, tokens/s, TTFT/TPOT/ITL, the bound, transformers
   table    print the README's markdown tables from bench/results/*.json
 """
 
@@ -111,14 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
     pd = add("pd", "PD handoff size and cost per request")
     pd.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
-    su = add("startup", "start-up and compile time, cold and with the persistent compilation cache")
-    su.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
-    su.add_argument("--requests", type=int, default=8)
-    su.add_argument("--prompt-len", type=int, default=64)
-    su.add_argument("--max-tokens", type=int, default=16)
-    su.add_argument("--k", type=int, default=1, help="MTP drafts (0 = none)")
-    su.add_argument("--cache-dir", default=None, help="empty directory for the cache (default: a new temp dir)")
-    su.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    sv = add("serve", "the serving benchmark: wall time, tokens/s and latencies of a workload, cold and warm")
+    sv.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
+    sv.add_argument("--dataset", choices=["random", "sharegpt-like", "task"], default="random",
+                    help="random: uniform lengths in --input-len / --output-len; sharegpt-like: lognormal lengths "
+                         "with ShareGPT's means; task: the shipped task's test prompts (outputs of --output-len's max)")
+    sv.add_argument("--num-prompts", type=int, default=1000)
+    sv.add_argument("--input-len", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
+    sv.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    sv.add_argument("--request-rate", type=float, default=0.0,
+                    help="requests a second, Poisson arrivals (0: every request at once, the offline mode)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--max-num-seqs", type=int, default=256)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    sv.add_argument("--max-model-len", type=int, default=2048)
+    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--num-speculative-tokens", type=int, default=0)
+    sv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    sv.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N")
+    sv.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe (the bound)")
+    sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
+    sv.add_argument("--no-peer", action="store_true", help="skip transformers")
+    sv.add_argument("--child", choices=["workload", "startup"], default=None, help=argparse.SUPPRESS)
     t = sub.add_parser("table", help="markdown tables from result JSON files")
     t.add_argument("files", nargs="*", help="result files (default: the newest of each benchmark in bench/results)")
     return ap
@@ -130,10 +145,10 @@ def main(argv=None) -> int:
         from .tables import print_tables
 
         return print_tables(args.files)
-    if args.command == "startup" and args.child:
+    if args.command == "serve" and args.child:
         import json
 
-        from .startup import child_run
+        from .traffic import child_run
 
         print(json.dumps(child_run(args)))
         return 0
@@ -152,8 +167,8 @@ def main(argv=None) -> int:
         from .serving import bench_spec as run
     elif args.command == "pd":
         from .serving import bench_pd as run
-    elif args.command == "startup":
-        from .startup import bench_startup as run
+    elif args.command == "serve":
+        from .traffic import bench_serve as run
     env = environment()
     out = Path(args.out) if args.out else None
 

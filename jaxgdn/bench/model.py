@@ -314,14 +314,14 @@ def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 
 # ----------------------------------------------------------------------------- transformers peer
 
 
-def hf_model(cfg, dtype="bfloat16"):
-    """transformers' Qwen3_5ForCausalLM at cfg with its own random init, on CUDA (fla used if installed)."""
+def hf_model(cfg, dtype="bfloat16", device="cuda"):
+    """transformers' Qwen3_5ForCausalLM at cfg with its own random init, on `device` (fla used if installed)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
     model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**d), dtype=getattr(torch, dtype))
-    return model.cuda().eval()
+    return model.to(device).eval()
 
 
 def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> float:

@@ -106,14 +106,21 @@ def pd_table(d: dict) -> list[str]:
                              f"{r['to_bytes_ms']:.2f}", f"{r['from_bytes_ms']:.2f}", f"{r['device_move_ms']:.3f}"])
 
 
-def startup_table(d: dict) -> list[str]:
-    return _table(["run", "model load s", "workload s (compiles included)", "total s", "compiled shapes"], d["rows"],
-                  lambda r: [r["run"], f"{r['load_s']:.1f}", f"{r['workload_s']:.1f}", f"{r['total_s']:.1f}",
-                             str(r["compiled_shapes"])])
+def serve_table(d: dict) -> list[str]:
+    c = d["cold_process"]
+    runs = [("cold", c["cold"]), ("warm", c["warm"])]
+    lines = _table(["run", "wall s", "total tok/s", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
+                    "ITL p50 / p99 ms"], runs, lambda r: [
+        r[0], f"{r[1]['wall_s']:.2f}", f"{r[1]['total_tokens_per_s']:.0f}", f"{r[1]['output_tokens_per_s']:.0f}",
+        *(f"{r[1][k]['p50']:.1f} / {r[1][k]['p99']:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms"))])
+    return lines + ["", f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, "
+                        f"{d['warm_cache_startup']['startup_s']:.1f} s with it filled; {c['programs']} step programs; "
+                        f"{c['compiles_after_startup']} compiled after start-up; the bound {c['bound']['total_s']:.2f} s "
+                        f"({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
 
 
 TABLES = {"kernels": kernels_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table, "pd": pd_table,
-          "startup": startup_table}
+          "serve": serve_table}
 
 
 def newest_results(directory: Path = RESULTS_DIR) -> list[Path]:

@@ -1,0 +1,279 @@
+"""`bench serve`: the serving benchmark, like vLLM's benchmark_throughput / benchmark_serving.
+
+A seeded workload (`random`: uniform prompt and output lengths; `sharegpt-like`: lognormal lengths with
+ShareGPT's means, synthesised; `task`: the shipped task's test prompts) is served by `LLM` in a fresh process
+with an empty compilation cache: start-up (weights, memory plan, every step program compiled), the workload
+(cold: the first run, all requests at once or Poisson arrivals at --request-rate), and the same workload
+again in that process (warm). A second fresh process on the filled cache measures start-up with the
+persistent cache. Reported: wall times, total and output tokens/s, TTFT / TPOT / ITL at p50 and p99, programs
+compiled after start-up (must be 0), peak device memory, and the bound for the same requests (prompt FLOPs
+over the measured matmul rate, plus the decode steps at the batch reached over the bandwidth roofline).
+Peer: transformers' continuous batching (`generate_batch`) on the same requests, or `generate` at batch 32
+with left padding where that fails (the error is recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA = 220, 170, 1.0  # means of ShareGPT's conversations
+
+
+def make_requests(args, vocab: int, tokenizer=None) -> list[tuple[list[int], int]]:
+    """[(prompt ids, max_tokens)] of the workload, from args.seed."""
+    rng = np.random.default_rng(args.seed)
+    n = args.num_prompts
+    if args.dataset == "random":
+        lengths = rng.integers(args.input_len[0], args.input_len[1] + 1, n)
+        outputs = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
+    elif args.dataset == "sharegpt-like":
+        lognormal = lambda mean: rng.lognormal(np.log(mean) - SHAREGPT_SIGMA**2 / 2, SHAREGPT_SIGMA, n)  # noqa: E731
+        room = args.max_model_len - 1
+        lengths = np.clip(lognormal(SHAREGPT_MEAN_INPUT), 4, room // 2).astype(int)
+        outputs = np.clip(lognormal(SHAREGPT_MEAN_OUTPUT), 4, room - lengths).astype(int)
+    else:  # the shipped task's test prompts
+        from ..task import take
+
+        if tokenizer is None:
+            raise SystemExit(f"--dataset task needs a checkpoint with a tokenizer; {args.model} has none")
+        problems = take("test", n)
+        prompts = [tokenizer.encode(p.prompt()) for p in problems]
+        return [(p, int(args.output_len[1])) for p in prompts]
+    return [([int(t) for t in rng.integers(0, vocab, int(m))], int(o)) for m, o in zip(lengths, outputs)]
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    a = np.asarray(values)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+def serve(llm, requests, request_rate: float, seed: int) -> dict:
+    """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s), stamping each
+    output token when the host sees it. Returns wall time, token counts and latency percentiles (ms)."""
+    from ..request import PLACEHOLDER_TOKEN, SamplingParams
+
+    eng = llm.engine
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / request_rate, len(requests)) if request_rate > 0 else np.zeros(len(requests))
+    arrivals = np.cumsum(gaps) - gaps[0]
+    pending = list(zip(arrivals, requests))
+    live: dict[int, tuple[float, list[float]]] = {}  # request id -> (arrival, token times)
+    done: dict[int, tuple[float, list[float]]] = {}
+    t0 = time.perf_counter()
+
+    def stamp(now: float) -> None:
+        for rid in list(live):
+            req = eng.requests[rid]
+            tokens = req.output_token_ids
+            n = len(tokens)
+            while n and tokens[n - 1] == PLACEHOLDER_TOKEN:  # async scheduling: values still in flight
+                n -= 1
+            times = live[rid][1]
+            times += [now] * (n - len(times))
+            if req.finish_reason is not None and n == len(tokens):
+                done[rid] = live.pop(rid)
+
+    while pending or eng.has_unfinished:
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            arrival, (prompt, max_tokens) = pending.pop(0)
+            rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            live[rid] = (arrival, [])
+        if eng.has_unfinished:
+            eng.step()
+        elif pending:
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
+        stamp(time.perf_counter() - t0)
+    eng.run_until_done()  # async scheduling: the last launch's tokens
+    stamp(time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    ttft, tpot, itl = [], [], []
+    for arrival, times in done.values():
+        if times:
+            ttft.append((times[0] - arrival) * 1e3)
+            if len(times) > 1:
+                tpot.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+                itl += list(np.diff(times) * 1e3)
+    errors = sum(eng.requests[r].error is not None for r in done)
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    output_tokens = sum(len(times) for _, times in done.values())
+    return {"wall_s": wall, "requests": len(requests), "finished": len(done), "errors": errors,
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
+            "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl)}
+
+
+def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:
+    """The time the requests need at least: prompt FLOPs over the matmul rate, plus the decode steps (the
+    output tokens over the batch reached) each moving the weights and the batch's states once."""
+    from .model import decode_bytes, model_sizes, prefill_flops
+
+    sizes = model_sizes(params, cfg)
+    flops = sum(prefill_flops(cfg, sizes, 1, len(p)) for p, _ in requests)
+    outputs = sum(o for _, o in requests)
+    mean_context = float(np.mean([len(p) + o / 2 for p, o in requests]))
+    steps = -(-outputs // max(batch, 1))
+    step_bytes = decode_bytes(cfg, sizes, batch, int(mean_context))
+    prefill_s, decode_s = flops / (matmul_tflops * 1e12), steps * step_bytes / (bandwidth_gbs * 1e9)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s, "decode_steps": steps,
+            "batch": batch, "matmul_tflops": matmul_tflops, "bandwidth_gbs": bandwidth_gbs}
+
+
+def engine_config(args):
+    from ..engine_config import EngineConfig
+
+    return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, dtype=args.dtype,
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        decode_steps_per_launch=args.decode_steps_per_launch)
+
+
+def child_run(args) -> dict:
+    """One fresh process: start-up, the workload cold and warm (or start-up only with --child startup)."""
+    import jax
+
+    t_start = time.perf_counter()
+    from ..llm import LLM
+    from .common import measured_bandwidth_gbs, measured_matmul_tflops
+
+    llm = LLM(args.model, engine_config(args))
+    startup = time.perf_counter() - t_start
+    out = {"startup_s": startup, "programs": sum(e.runner.num_programs for e in llm.engines),
+           "memory": llm.engine.memory.describe(llm.config)}
+    if args.child == "startup":
+        return out
+    requests = make_requests(args, llm.model_config.vocab_size, llm.tokenizer)
+    out["cold"] = serve(llm, requests, args.request_rate, args.seed)
+    out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
+    out["warm"] = serve(llm, requests, args.request_rate, args.seed)
+    out["compiles_after_startup"] = llm.compiles_after_startup
+    stats = jax.devices()[0].memory_stats() or {}
+    out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
+    eng = llm.engine
+    batch = min(args.max_num_seqs, args.num_prompts)
+    rates = (measured_matmul_tflops(args.matmul_size), measured_bandwidth_gbs(args.bandwidth_bytes))
+    out["bound"] = bound_s(llm.model_config, eng.runner.params, requests, batch, *rates)
+    out["warm"]["fraction_of_bound"] = out["bound"]["total_s"] / out["warm"]["wall_s"]
+    return out
+
+
+def _child(args, which: str, cache_dir: str) -> dict:
+    """Run `bench serve --child which` in a fresh process on the compilation cache cache_dir."""
+    cmd = [sys.executable, "-m", "jaxgdn.bench", "serve", *_forwarded(args), "--child", which]
+    env = {**os.environ, "JAXGDN_CACHE_DIR": cache_dir}
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"bench serve: the {which} process failed:\n{run.stderr[-4000:]}")
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _forwarded(args) -> list[str]:
+    """The workload and engine flags, for the child processes."""
+    flags = ["--model", args.model, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
+             "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
+             "--request-rate", str(args.request_rate), "--seed", str(args.seed),
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
+             "--num-speculative-tokens", str(args.num_speculative_tokens),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+             "--matmul-size", str(args.matmul_size), "--bandwidth-bytes", str(args.bandwidth_bytes)]
+    if args.decode_steps_per_launch is not None:
+        flags += ["--decode-steps-per-launch", str(args.decode_steps_per_launch)]
+    return flags
+
+
+def peer_transformers(args, requests) -> dict:
+    """transformers on the same requests (greedy, every output to its length): `generate_batch` (continuous
+    batching); where that fails, `generate` at batch 32 with left padding. Wall time and tokens/s."""
+    import torch
+    from transformers import GenerationConfig
+
+    from ..config import PRESETS, ModelConfig
+    from .model import hf_model
+
+    cfg = (PRESETS[args.model]() if args.model in PRESETS
+           else ModelConfig.from_json_file(os.path.join(args.model, "config.json")))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = hf_model(cfg, device=device)
+    prompts = [p for p, _ in requests]
+    longest = max(o for _, o in requests)
+    row = {"device": device}
+    t0 = time.perf_counter()
+    try:
+        gen = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        generated = sum(len(o.generated_tokens) for o in outs.values())
+        row["form"] = "generate_batch"
+    except Exception as e:  # noqa: BLE001  (a hybrid cache it does not take)
+        row["generate_batch_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        t0 = time.perf_counter()
+        generated = 0
+        for i in range(0, len(requests), 32):
+            batch = requests[i : i + 32]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in batch),
+                                 min_new_tokens=max(o for _, o in batch), do_sample=False, pad_token_id=0)
+            generated += int(out.shape[0] * (out.shape[1] - width))
+        row["form"] = "generate, batch 32, left padding"
+    wall = time.perf_counter() - t0
+    prompt_tokens = sum(len(p) for p in prompts)
+    row.update(wall_s=wall, output_tokens=generated, total_tokens_per_s=(prompt_tokens + generated) / wall,
+               output_tokens_per_s=generated / wall, note="every request generates the longest request's output")
+    return row
+
+
+def bench_serve(args) -> dict:
+    cache_dir = tempfile.mkdtemp(prefix="jaxgdn-serve-cache-")
+    cold = _child(args, "workload", cache_dir)
+    warm_start = _child(args, "startup", cache_dir)
+    payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+               "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
+               "seed": args.seed, "engine": {k: getattr(args, k) for k in (
+                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
+                   "gpu_memory_utilization", "decode_steps_per_launch")},
+               "cold_process": cold, "warm_cache_startup": warm_start}
+    args.save_partial(payload)
+    w = cold["warm"]
+    print(f"start-up {cold['startup_s']:.1f} s (cache filled: {warm_start['startup_s']:.1f} s), "
+          f"{cold['programs']} programs; cold {cold['cold']['from_process_start_s']:.1f} s from process start, "
+          f"warm {w['wall_s']:.2f} s: {w['total_tokens_per_s']:.0f} tok/s total, {w['output_tokens_per_s']:.0f} out, "
+          f"{w['fraction_of_bound']:.0%} of the bound; TTFT p50 {w['ttft_ms']['p50']:.0f} ms, TPOT p50 "
+          f"{w['tpot_ms']['p50']:.1f} ms; compiles after start-up {cold['compiles_after_startup']}", flush=True)
+    if not args.no_peer:
+        requests = make_requests(args, _vocab(args), _tokenizer(args))
+        try:
+            payload["transformers"] = peer_transformers(args, requests)
+        except Exception as e:  # noqa: BLE001
+            payload["transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"transformers: {payload['transformers']}", flush=True)
+    return payload
+
+
+def _vocab(args) -> int:
+    from ..config import PRESETS, ModelConfig
+
+    if args.model in PRESETS:
+        return PRESETS[args.model]().vocab_size
+    return ModelConfig.from_json_file(os.path.join(args.model, "config.json")).vocab_size
+
+
+def _tokenizer(args):
+    from ..config import PRESETS
+    from ..tokenizer import load_tokenizer
+
+    return None if args.model in PRESETS else load_tokenizer(args.model)
