@@ -9,11 +9,11 @@ if not _logger.handlers:  # start-up lines (programs compiled, memory planned) r
     _logger.addHandler(_handler)
     _logger.setLevel(logging.INFO)
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import ConfigError, ModelConfig, qwen35_0_8b
-from .engine_config import EngineConfig
+from .engine.config import EngineConfig
+from .engine.request import RequestOutput, SamplingParams
 from .llm import LLM
-from .request import RequestOutput, SamplingParams
+from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .model.config import ConfigError, ModelConfig, qwen35_0_8b
 
 __all__ = [
     "CheckpointError", "ConfigError", "EngineConfig", "LLM", "ModelConfig", "RequestOutput", "SamplingParams",

@@ -88,9 +88,9 @@ def is_correct(completion: str | None, answer: int) -> bool:
 def run_config(model: str, prompts: list[str], answers: list[int], sc: ServeConfig, args,
                baseline: ConfigResult | None) -> ConfigResult:
     """Serve every prompt under one configuration; score against answers and the baseline's tokens."""
-    from .engine_config import EngineConfig
+    from .engine.config import EngineConfig
+    from .engine.request import SamplingParams
     from .llm import LLM
-    from .request import SamplingParams
 
     pages_per_seq = -(-args.max_model_len // 16)
     ecfg = EngineConfig(max_num_seqs=sc.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,

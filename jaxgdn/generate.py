@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
+from .engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -135,11 +135,11 @@ def main(argv=None) -> int:
         print("jaxgdn: give --prompt, --prompt-ids or --prompts-file", file=sys.stderr)
         return 2
 
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .engine_config import EngineConfig
+    from .engine.config import EngineConfig
+    from .engine.request import SamplingParams
     from .llm import LLM
-    from .request import SamplingParams
+    from .model.checkpoint import CheckpointError
+    from .model.config import ConfigError
 
     try:
         config = EngineConfig(

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from .checkpoint import load_checkpoint
-from .config import PRESETS
-from .engine import LLMEngine
-from .engine_config import EngineConfig
-from .params import init_random_params, serving_layout
-from .pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-from .request import RequestOutput, SamplingParams
-from .tokenizer import load_tokenizer
+from .engine.config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .engine.request import RequestOutput, SamplingParams
+from .engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from .model.checkpoint import load_checkpoint
+from .model.config import PRESETS
+from .model.params import init_random_params, serving_layout
+from .model.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
 logger = logging.getLogger("jaxgdn")

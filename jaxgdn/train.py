@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import task
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from .model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 
 def tiny_config(vocab_size: int, hidden: int = 256, layers: int = 8) -> ModelConfig:
@@ -87,9 +87,9 @@ def make_loss(cfg: ModelConfig, mtp_weight: float, compute_dtype, gdn_impl: str 
     import jax
     import jax.numpy as jnp
 
-    from .model import forward
-    from .mtp import mtp_forward
-    from .params import cast_params
+    from .model.forward import forward
+    from .model.mtp import mtp_forward
+    from .model.params import cast_params
 
     def ce(logits, targets, weights):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     import optax
     from tqdm import tqdm
 
-    from .checkpoint import save_checkpoint
-    from .params import cast_params, init_random_params
+    from .model.checkpoint import save_checkpoint
+    from .model.params import cast_params, init_random_params
 
     if args.gdn_impl is None:
         # Seen with jaxlib 0.10.2 on a 2-core CPU: two triangular-solve custom calls of the backward

@@ -36,7 +36,8 @@ def _release_compiled_programs():
     yield
     if _mapped_regions() > 20000:
         import helpers
-        from jaxgdn import runner
+
+        from jaxgdn.engine import runner
 
         runner._jitted_step.cache_clear()
         helpers._naive_fwd.clear()

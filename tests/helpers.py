@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from jaxgdn.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from jaxgdn.params import ModelParams, params_to_tensors
+from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jaxgdn.model.params import ModelParams, params_to_tensors
 
 L, F = LINEAR_ATTENTION, FULL_ATTENTION
 
@@ -111,7 +111,7 @@ def full_logits(params, cfg: ModelConfig, ids: list[int], pad_to: int = 256) -> 
     (pad_to, or the next power of two) is exact for a causal model and keeps compiled shapes few."""
     import jax
 
-    from jaxgdn.model import forward
+    from jaxgdn.model.forward import forward
 
     fwd = _naive_fwd.setdefault(id(cfg), jax.jit(forward, static_argnums=1))
     n = len(ids)
@@ -172,8 +172,8 @@ def shipped_model(num_prompts: int = 6):
     import jax.numpy as jnp
 
     from jaxgdn import task
-    from jaxgdn.checkpoint import load_checkpoint
-    from jaxgdn.tokenizer import load_tokenizer
+    from jaxgdn.model.checkpoint import load_checkpoint
+    from jaxgdn.model.tokenizer import load_tokenizer
 
     cfg, params = load_checkpoint(SHIPPED, dtype=jnp.float32)
     tok = load_tokenizer(SHIPPED)
@@ -184,7 +184,7 @@ def shipped_workload(num_prompts: int = 6):
     """The shipped model's first num_prompts (4..6) test prompts with mixed sampling: greedy, a stop token
     (its 10th greedy output of prompt 1), a short max_tokens, and (prompts 3, 4) seeded samplers.
     Returns (params, cfg, prompts, sampling params)."""
-    from jaxgdn.request import SamplingParams
+    from jaxgdn.engine.request import SamplingParams
 
     params, cfg, prompts = shipped_model()
     stop = naive_greedy(params, cfg, prompts[1], 12)[9]
@@ -199,7 +199,7 @@ def shipped_workload(num_prompts: int = 6):
 def assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed: int):
     """An async engine's run_recorded results equal a synchronous one's: outputs, drafts accepted, fed
     tokens (up to extra_fed more: rows booked for requests that stopped), pools drained, no booking left."""
-    from jaxgdn.request import PLACEHOLDER_TOKEN
+    from jaxgdn.engine.request import PLACEHOLDER_TOKEN
 
     (s_out, s_fed), (a_out, a_fed) = sync, asyn
     for s, a in zip(s_out, a_out):

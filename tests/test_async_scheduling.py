@@ -3,12 +3,12 @@ reasons, fed tokens and the pools must be exactly those of the synchronous engin
 
 import numpy as np
 import pytest
-
 from helpers import assert_async_equals_sync, naive_greedy, run_recorded, small_config
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.params import init_random_params
-from jaxgdn.request import PLACEHOLDER_TOKEN, SamplingParams
+
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.request import PLACEHOLDER_TOKEN, SamplingParams
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=31)

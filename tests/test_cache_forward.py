@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import random_ids, small_config
-from jaxgdn.model import forward
-from jaxgdn.params import init_random_params
-from jaxgdn.state import init_cache
+
+from jaxgdn.model.cache import init_cache
+from jaxgdn.model.forward import forward
+from jaxgdn.model.params import init_random_params
 
 TOL = 1e-4  # logits, fp32
 
@@ -83,8 +83,8 @@ def test_recurrent_state_stays_fp32_with_bf16_weights():
 def test_fused_projections_serve_the_same_logits():
     """The serving layout (each layer's same-input projections as one matrix) computes the same
     projections and logits, holds no unfused copy, and fusing twice changes nothing."""
-    from jaxgdn.mlp import linear, project
-    from jaxgdn.params import FUSED_PROJECTIONS, fuse_projections
+    from jaxgdn.model.mlp import linear, project
+    from jaxgdn.model.params import FUSED_PROJECTIONS, fuse_projections
 
     fused = fuse_projections(PARAMS)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, CFG.hidden_size))
@@ -108,8 +108,8 @@ def test_fused_projections_serve_the_same_logits():
 @pytest.mark.parametrize("tokens", [1, 200])  # 1/rms after the product (a batch-1 decode step) and before it
 def test_folded_norm_product_equals_norm_then_product(tokens):
     """A DeferredNorm's product with the (1 + w)-folded weight is the RMSNorm's output times the weight."""
-    from jaxgdn.mlp import linear
-    from jaxgdn.norms import POST_SCALE_MAX_TOKENS, DeferredNorm, inverse_rms, rms_norm_1p
+    from jaxgdn.model.mlp import linear
+    from jaxgdn.model.norms import POST_SCALE_MAX_TOKENS, DeferredNorm, inverse_rms, rms_norm_1p
 
     assert (tokens <= POST_SCALE_MAX_TOKENS) == (tokens == 1)
     kx, kw, kn = jax.random.split(jax.random.PRNGKey(tokens), 3)
@@ -129,10 +129,10 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     operands only, and without a Hopper GPU `gated_product` stays the XLA form whatever the size."""
     import jax.numpy as jnp
 
-    from jaxgdn import mlp
-    from jaxgdn.engine_config import env_switch
-    from jaxgdn.norms import DeferredNorm, inverse_rms
-    from jaxgdn.params import MLPParams
+    from jaxgdn.engine.config import env_switch
+    from jaxgdn.model import mlp
+    from jaxgdn.model.norms import DeferredNorm, inverse_rms
+    from jaxgdn.model.params import MLPParams
     from pallas_kernels import swiglu_mosaic as sm
 
     assert sm.supported(4096, 1024, 3584, jnp.bfloat16)
@@ -180,8 +180,8 @@ def test_folded_norms_serve_the_same_logits():
     the fused projections, none is left, folding twice changes nothing, and the logits are those of the
     loaded weights, with 1/rms applied after the products and before them (POST_SCALE_MAX_TOKENS set
     above and below this step's 18 tokens)."""
-    from jaxgdn import norms
-    from jaxgdn.params import fold_norms
+    from jaxgdn.model import norms
+    from jaxgdn.model.params import fold_norms
 
     assert PARAMS.mtp is not None
     folded = fold_norms(PARAMS)

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import hf_causal_lm, hf_logits, hf_text_config, random_ids, small_config, to_torch
 from safetensors.numpy import load_file, save_file
 
-from helpers import hf_causal_lm, hf_logits, hf_text_config, random_ids, small_config, to_torch
-from jaxgdn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from jaxgdn.config import ConfigError
-from jaxgdn.model import forward
-from jaxgdn.params import init_random_params, params_to_tensors
+from jaxgdn.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from jaxgdn.model.config import ConfigError
+from jaxgdn.model.forward import forward
+from jaxgdn.model.params import init_random_params, params_to_tensors
 
 
 def assert_same_params(a, b):

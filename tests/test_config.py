@@ -4,10 +4,10 @@ import json
 import math
 
 import pytest
-
 from helpers import small_config
-from jaxgdn.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig, qwen35_0_8b
-from jaxgdn.params import expected_tensor_shapes
+
+from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig, qwen35_0_8b
+from jaxgdn.model.params import expected_tensor_shapes
 
 TEXT = {
     "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,

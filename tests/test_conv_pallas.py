@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgdn.cache import GDNSlots
-from jaxgdn.gdn import causal_conv_silu, conv_checkpoint_inputs
-from jaxgdn.pools import read_conv, write_conv
+from jaxgdn.engine.pools import read_conv, write_conv
+from jaxgdn.engine.state import GDNSlots
+from jaxgdn.model.gdn import causal_conv_silu, conv_checkpoint_inputs
 from pallas_kernels.conv_pallas import causal_conv_pooled, causal_conv_prompt, conv_kernel_supports
 
 
@@ -110,9 +110,9 @@ def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
     """impl "pallas" routes a long row's conv through the kernel (q, k, v, window, mixed all equal)."""
     from helpers import small_config
 
-    from jaxgdn.config import LINEAR_ATTENTION
-    from jaxgdn.gdn import gdn_inputs
-    from jaxgdn.params import fuse_projections, init_random_params
+    from jaxgdn.model.config import LINEAR_ATTENTION
+    from jaxgdn.model.gdn import gdn_inputs
+    from jaxgdn.model.params import fuse_projections, init_random_params
     from pallas_kernels.gdn import use_prompt_conv_kernel
 
     cfg = small_config()

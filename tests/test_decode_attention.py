@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import small_config
-from jaxgdn import norms, uniform_forward
-from jaxgdn.cache import PagedKV
-from jaxgdn.norms import DeferredNorm, inverse_rms
-from jaxgdn.ragged_forward import StepMeta, attention_ragged
-from jaxgdn.uniform_forward import RowView, decode_attention_rows, use_decode_attention_kernel
-from jaxgdn.params import init_random_params, serving_layout
+
+from jaxgdn.engine import uniform_forward
+from jaxgdn.engine.ragged_forward import StepMeta, attention_ragged
+from jaxgdn.engine.state import PagedKV
+from jaxgdn.engine.uniform_forward import RowView, decode_attention_rows, use_decode_attention_kernel
+from jaxgdn.model import norms
+from jaxgdn.model.norms import DeferredNorm, inverse_rms
+from jaxgdn.model.params import init_random_params, serving_layout
 from pallas_kernels import decode_attention
 from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
 
@@ -194,10 +195,11 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
     path and the Pallas attention asked for; the decode attention one program per query head, or grouped with
     each row's pages split over programs); either way every request equals one-request greedy decoding."""
     from helpers import naive_greedy
-    from jaxgdn import runner
-    from jaxgdn.engine import LLMEngine
-    from jaxgdn.engine_config import EngineConfig
-    from jaxgdn.request import SamplingParams
+
+    from jaxgdn.engine import runner
+    from jaxgdn.engine.config import EngineConfig
+    from jaxgdn.engine.llm_engine import LLMEngine
+    from jaxgdn.engine.request import SamplingParams
 
     calls = {"mixer": 0, "attention": 0, "merge": 0}  # kernel calls traced into the step programs
 

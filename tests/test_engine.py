@@ -3,13 +3,13 @@ prefill, buckets on/off, garbage-filled slots and preemption; bad input is isola
 
 import numpy as np
 import pytest
-
 from helpers import naive_greedy, run_staggered, small_config
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.params import init_random_params
-from jaxgdn.request import RowKind, SamplingParams
-from jaxgdn.runner import layout_tokens
+
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.request import RowKind, SamplingParams
+from jaxgdn.engine.runner import layout_tokens
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=21)
@@ -166,7 +166,7 @@ def test_default_bf16_config_serves_like_fp32():
     greedy tokens on this model (bf16 rounding could flip near-ties; these prompts have none)."""
     import jax.numpy as jnp
 
-    from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 
     p16 = init_random_params(CFG, seed=21, dtype=jnp.bfloat16)
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8,
@@ -183,7 +183,7 @@ def test_persistent_compilation_cache_switch(tmp_path, monkeypatch):
     configured in JAX first is left alone; $JAXGDN_CACHE_MIN_COMPILE_S sets which programs are kept."""
     import jax
 
-    from jaxgdn.runner import enable_compilation_cache
+    from jaxgdn.engine.runner import enable_compilation_cache
 
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
@@ -209,8 +209,8 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
     every array with its shape, dtype and values (floats and uint32 bit-exact, bools as bools)."""
     import jax.numpy as jnp
 
-    from jaxgdn.input_batch import StepArrays
-    from jaxgdn.runner import pack_step_arrays, unpack_step_arrays
+    from jaxgdn.engine.runner import pack_step_arrays, unpack_step_arrays
+    from jaxgdn.engine.step_layout import StepArrays
 
     rng = np.random.default_rng(3)
     fields = {name: rng.integers(-5, 9, (4, 3) if name == "block_tables" else 5).astype(np.int32)
@@ -229,7 +229,7 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
 
 
 def test_request_token_slice_matches_the_concatenated_sequence():
-    from jaxgdn.request import Request, RequestMetrics, SamplingParams
+    from jaxgdn.engine.request import Request, RequestMetrics, SamplingParams
 
     req = Request(0, [10, 11, 12], SamplingParams(), RequestMetrics(arrival_time=0.0))
     req.output_token_ids = [20, 21]
@@ -250,8 +250,8 @@ def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn.input_batch import build_step
-    from jaxgdn.runner import pack_step_arrays
+    from jaxgdn.engine.runner import pack_step_arrays
+    from jaxgdn.engine.step_layout import build_step
 
     eng = engine()
     for i in range(3):
@@ -289,9 +289,9 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn import ragged_forward
-    from jaxgdn import runner as runner_module
-    from jaxgdn.runner import pack_step_arrays
+    from jaxgdn.engine import ragged_forward
+    from jaxgdn.engine import runner as runner_module
+    from jaxgdn.engine.runner import pack_step_arrays
 
     eng = engine()
     seen = []

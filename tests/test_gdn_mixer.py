@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import small_config
-from jaxgdn import norms, uniform_forward
-from jaxgdn.cache import GDNSlots
-from jaxgdn.norms import DeferredNorm, inverse_rms
-from jaxgdn.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
-from jaxgdn.params import init_random_params, serving_layout
+
+from jaxgdn.engine import uniform_forward
+from jaxgdn.engine.state import GDNSlots
+from jaxgdn.engine.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
+from jaxgdn.model import norms
+from jaxgdn.model.norms import DeferredNorm, inverse_rms
+from jaxgdn.model.params import init_random_params, serving_layout
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 
 

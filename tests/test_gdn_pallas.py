@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_gdn_core import random_inputs
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
 from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
-from test_gdn_core import random_inputs
 
 
 def pack_qkv(q, k, v):
@@ -63,7 +63,7 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
     """gate=(z, weight, eps): the output kernel's gated RMS norm against norms.gated_rms_norm of the plain
     kernel's output (dv 24 pads the head to 32: the norm's mean must ignore the zero columns); T = 70
     pads the last chunk. The state is unchanged."""
-    from jaxgdn.norms import gated_rms_norm
+    from jaxgdn.model.norms import gated_rms_norm
 
     q, k, v, g, beta, s0 = random_inputs(B=2, T=70, Hk=1, Hv=2, dk=16, dv=dv, seed=1)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
@@ -147,7 +147,7 @@ def check_gates_from_source(dtype):
     rows; row 1 has 41 real tokens. Output and state equal the kernel fed XLA's g and beta."""
     from types import SimpleNamespace
 
-    from jaxgdn.gdn import gdn_gates
+    from jaxgdn.model.gdn import gdn_gates
 
     B, T, Hv = 2, 70, 2
     q, k, v, _, _, s0 = random_inputs(B=B, T=T, Hk=1, Hv=Hv, dk=16, dv=32, seed=11)
@@ -189,9 +189,9 @@ def test_gdn_layer_with_the_norm_in_the_kernel_equals_the_xla_norm():
     in XLA, padded rows included. (Unfused params pass z itself: the kernel tests above.)"""
     from helpers import small_config
 
-    from jaxgdn.config import LINEAR_ATTENTION
-    from jaxgdn.gdn import gdn_inputs, gdn_layer
-    from jaxgdn.params import fuse_projections, init_random_params
+    from jaxgdn.model.config import LINEAR_ATTENTION
+    from jaxgdn.model.gdn import gdn_inputs, gdn_layer
+    from jaxgdn.model.params import fuse_projections, init_random_params
     from pallas_kernels.gdn import runs_chunked_pallas
 
     cfg = small_config()
@@ -308,8 +308,8 @@ def gates_in_product(g, beta, T, rng):
     """A GateSource over a product y [B, T, 5 + 2 * Hv] with b and a at columns 3 .. 3 + 2 * Hv, with A_log,
     dt_bias and num_valid [B] (row 1 padded after its first token), and the (g, beta) that
     `jaxgdn.gdn.gdn_projections` forms from them (zero past num_valid). g, beta give the shape."""
-    from jaxgdn.gdn import gdn_gates
-    from jaxgdn.params import GDNParams
+    from jaxgdn.model.gdn import gdn_gates
+    from jaxgdn.model.params import GDNParams
 
     B, _, Hv = g.shape
     y = jnp.asarray(rng.standard_normal((B, T, 5 + 2 * Hv)), jnp.float32)
@@ -371,10 +371,11 @@ def test_engine_with_pool_kernel_equals_plain_greedy():
     """PD + MTP K=2 with the Pallas path (interpret mode): decode and verify rows run the in-place pool
     kernel, prefill chunks the XLA chunked form (auto on CPU); every request equals one-request greedy decoding."""
     from helpers import naive_greedy, small_config
-    from jaxgdn.engine_config import EngineConfig
-    from jaxgdn.params import init_random_params
-    from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-    from jaxgdn.request import SamplingParams
+
+    from jaxgdn.engine.config import EngineConfig
+    from jaxgdn.engine.request import SamplingParams
+    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.model.params import init_random_params
     from pallas_kernels.gdn import use_pooled_recurrent
 
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgdn.gdn import causal_conv_silu
+from jaxgdn.model.gdn import causal_conv_silu
 from pallas_kernels.gdn import gdn_recurrent_checkpoints
 from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
 from pallas_kernels.gdn_ragged_pallas import SHORT_ROW, chunk_tables, gdn_ragged_pallas

@@ -1,11 +1,11 @@
 """The generate CLI: clear messages for missing checkpoints and prompts; greedy output equals the model's."""
 
 import pytest
-
 from helpers import naive_greedy, small_config
+
 from jaxgdn import generate
-from jaxgdn.checkpoint import save_checkpoint
-from jaxgdn.params import init_random_params
+from jaxgdn.model.checkpoint import save_checkpoint
+from jaxgdn.model.params import init_random_params
 
 
 @pytest.mark.parametrize("flags", [["--pd", "--num-speculative-tokens", "2"],

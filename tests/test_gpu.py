@@ -6,12 +6,12 @@ import functools
 import jax
 import numpy as np
 import pytest
-
 from helpers import naive_greedy, outside_sampling_support, shipped_model, small_config
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.params import init_random_params
-from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-from jaxgdn.request import SamplingParams
+
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.request import SamplingParams
+from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.model.params import init_random_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
@@ -25,8 +25,9 @@ def test_pd_mtp_engine_on_gpu_equals_plain_greedy(monkeypatch, input_impl, dv, g
     attention_form "split": the decode attention kernel's grouped form with each row's pages split over
     programs (PD runs one step a launch: ragged programs only, so this checks that nothing breaks)."""
     if attention_form == "split":
-        from pallas_kernels import decode_attention
         from test_decode_attention import use_form
+
+        from pallas_kernels import decode_attention
 
         use_form(monkeypatch, "split")
         monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
@@ -48,9 +49,10 @@ def test_pd_mtp_engine_on_gpu_equals_plain_greedy(monkeypatch, input_impl, dv, g
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two devices")
 def test_pd_across_two_devices():
     """Prefill worker on device 0, decode worker on device 1: handoffs cross devices, outputs unchanged."""
-    from jaxgdn import LLM
-    from jaxgdn.checkpoint import save_checkpoint
     import tempfile
+
+    from jaxgdn import LLM
+    from jaxgdn.model.checkpoint import save_checkpoint
 
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=4)
@@ -74,11 +76,11 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     reference on the same rounded inputs; the chunked kernel with the output in its scan (the default) and
     as three kernels (fuse_output=False)."""
     import jax.numpy as jnp
+    from test_gdn_core import random_inputs
 
-    from jaxgdn.norms import gated_rms_norm
+    from jaxgdn.model.norms import gated_rms_norm
     from pallas_kernels.gdn import gdn_recurrent_checkpoints
     from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
-    from test_gdn_core import random_inputs
 
     B, T, Hk, Hv, dk, dv = shape
     q, k, v, g, beta, s0 = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=T)
@@ -109,7 +111,6 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
 def test_chunked_kernel_gates_from_the_projection_compiled():
     """The prep kernel's in-place gates (GateSource) compiled: against the kernel fed XLA's g and beta."""
     import jax.numpy as jnp
-
     from test_gdn_pallas import check_gates_from_source
 
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -134,7 +135,6 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T
     whole state tile per program) against the compiled unfused chain; test_gdn_mixer.py runs the smaller
     cases (and, interpreted, on CPU)."""
     import jax.numpy as jnp
-
     from test_gdn_mixer import assert_same_rows, mixer_case, run_rows
 
     dt = jnp.dtype(dtype)
@@ -156,9 +156,9 @@ def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chai
     None: the rule's pick), one program per query head or per KV head (grouped), or that with each row's page
     tiles split over programs (split); test_decode_attention.py runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
+    from test_decode_attention import assert_same_layer, attention_case, run_layer, use_form
 
     from pallas_kernels import decode_attention
-    from test_decode_attention import assert_same_layer, attention_case, run_layer, use_form
 
     monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
     use_form(monkeypatch, form)
@@ -175,9 +175,9 @@ def test_ragged_attention_kernel_compiled_equals_reference(Hq, Hkv, D, dtype, pa
     """The ragged paged attention kernel compiled (the 0.8B widths first) against the XLA reference on a mix of
     a decode row, prompt chunks, a fresh prompt and a verify window."""
     import jax.numpy as jnp
+    from test_ragged_attention import kernel_inputs, ragged_case
 
     from pallas_kernels.ragged_attention import block_queries, ragged_paged_attention, ragged_paged_attention_reference
-    from test_ragged_attention import kernel_inputs, ragged_case
 
     case = ragged_case(seed=D, Hq=Hq, Hkv=Hkv, D=D, dtype=getattr(jnp, dtype), pad_tokens=pad_tokens,
                        rows=((37, 1), (16, 200), (0, 300), (70, 3), (5, 1)), MP=24)
@@ -194,10 +194,10 @@ def test_ragged_gdn_kernels_compiled_equal_the_reference(lengths, dtype):
     """The ragged GDN kernels compiled at the 0.8B head widths (Hk = Hv = 16, dk = dv = 128): short rows on the
     token loop, long rows on the chunked form, the pool written in place."""
     import jax.numpy as jnp
+    from test_gdn_ragged import expected_pool, gdn_case
 
     from pallas_kernels.gdn_ragged import gdn_ragged_reference
     from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
-    from test_gdn_ragged import expected_pool, gdn_case
 
     q, k, v, g, beta, pool, qsl, token_row, slots, start, fresh, verify = gdn_case(
         len(lengths), lengths, Hk=16, Hv=16, dk=128, dv=128, dtype=getattr(jnp, dtype), pad_tokens=0)
@@ -218,7 +218,7 @@ def test_decode_launches_of_four_steps_on_gpu_equal_single_steps():
     """The GPU default runs 4 decode steps per launch (pool kernel, command buffers with a loop): greedy
     outputs equal plain greedy decoding, sampled ones those of one step per launch and lie in their
     sampling support (an absolute check: both launch forms could share a wrong token)."""
-    from jaxgdn.engine import LLMEngine
+    from jaxgdn.engine.llm_engine import LLMEngine
 
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
     params = init_random_params(cfg, seed=6)
@@ -250,7 +250,7 @@ def test_library_gemms_fold_the_residual_adds_into_the_products_compiled():
     of plain greedy decoding."""
     import jax.numpy as jnp
 
-    from jaxgdn.engine import LLMEngine
+    from jaxgdn.engine.llm_engine import LLMEngine
 
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=8)
@@ -278,7 +278,7 @@ def test_library_gemms_fold_the_residual_adds_into_the_products_compiled():
 def serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling):
     """Serve prompts with MTP K=2 (fp32) to the end; decode_steps_per_launch=steps, async_scheduling=
     scheduling (None: the defaults). Returns (engine, request ids)."""
-    from jaxgdn.engine import LLMEngine
+    from jaxgdn.engine.llm_engine import LLMEngine
 
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8,
                         dtype="float32", num_speculative_tokens=2, decode_steps_per_launch=steps,
@@ -337,9 +337,9 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
 def test_conv_kernel_compiled_equals_the_xla_path(T, K):
     """The Triton-lowered conv kernel at the 0.8B width (C = 6144, bf16) against the engine's XLA path."""
     import jax.numpy as jnp
+    from test_conv_pallas import conv_case, xla_conv_path
 
     from pallas_kernels.conv_pallas import causal_conv_pooled
-    from test_conv_pallas import conv_case, xla_conv_path
 
     args = conv_case(seed=T, T=T, K=K, C=6144, dtype=jnp.bfloat16)
     u_ref, pool_ref = jax.jit(xla_conv_path)(*args)
@@ -356,7 +356,7 @@ def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
     of the fused projection's 8224) against gdn.causal_conv_silu; T = 300 ends on a partial tile."""
     import jax.numpy as jnp
 
-    from jaxgdn.gdn import causal_conv_silu
+    from jaxgdn.model.gdn import causal_conv_silu
     from pallas_kernels.conv_pallas import causal_conv_prompt
 
     r = np.random.default_rng(T)
@@ -371,9 +371,9 @@ def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
 
 def test_kv_write_kernel_compiled_equals_scatter():
     import jax.numpy as jnp
+    from test_ragged_attention import kv_write_case
 
     from pallas_kernels.kv_write import write_kv_pallas
-    from test_ragged_attention import kv_write_case
 
     k_pool, v_pool, slots, k, v = kv_write_case(P=300, ps=16, D=256, N=128, dtype=jnp.bfloat16)
     expect = [pool.reshape(-1, 2, 256).at[slots].set(x).reshape(pool.shape) for pool, x in ((k_pool, k), (v_pool, v))]
@@ -387,7 +387,6 @@ def test_prompt_qkv_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(R, Q
     """The prefill q/k/v kernel compiled at the 0.8B layer's widths against the compiled XLA chain; 300 cells
     end on a part tile. test_prompt_qkv.py runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
-
     from test_prompt_qkv import test_kernel_matches_the_xla_chain
 
     test_kernel_matches_the_xla_chain("real", R, Q, jnp.dtype(dtype).type)
@@ -430,8 +429,9 @@ def test_model_runs_the_swiglu_kernel_compiled(monkeypatch, form):
     rounding emulated on the CPU)."""
     import jax.numpy as jnp
 
-    from jaxgdn import mlp, model
-    from jaxgdn.params import cast_params, fold_norms
+    from jaxgdn.model import forward as model
+    from jaxgdn.model import mlp
+    from jaxgdn.model.params import cast_params, fold_norms
 
     cfg = small_config(hidden_size=128, intermediate_size=256)
     bf16_params = init_random_params(cfg, seed=9, dtype=jnp.bfloat16)

@@ -3,13 +3,13 @@ largest step program's temporaries; a configuration that cannot hold one sequenc
 naming the knobs; off the GPU the pool holds every slot at max_model_len."""
 
 import pytest
-
 from helpers import small_config
-from jaxgdn import engine as engine_module
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.memory import GiB, MARGIN_BYTES, gdn_slot_bytes, kv_bytes_per_page, plan_memory
-from jaxgdn.params import init_random_params
+
+from jaxgdn.engine import llm_engine as engine_module
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.memory import MARGIN_BYTES, GiB, gdn_slot_bytes, kv_bytes_per_page, plan_memory
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config()
 
@@ -37,7 +37,7 @@ def test_the_pages_get_what_the_budget_leaves():
 
 def test_the_gdn_slots_count_against_the_budget_and_a_tight_one_fails_naming_the_knobs():
     """Qwen3.5-0.8B's GDN state is 1 MiB a layer and checkpoint: 256 slots with K = 3 take 18 GiB."""
-    from jaxgdn.config import qwen35_0_8b
+    from jaxgdn.model.config import qwen35_0_8b
 
     big = qwen35_0_8b()
     config = EngineConfig(max_num_seqs=256, num_speculative_tokens=3)

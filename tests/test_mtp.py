@@ -4,12 +4,12 @@ import jax
 import numpy as np
 import pytest
 import torch
-
 from helpers import F, hf_text_config, random_ids, small_config, to_torch
-from jaxgdn.model import forward
-from jaxgdn.mtp import mtp_forward
-from jaxgdn.params import init_random_params, params_to_tensors
-from jaxgdn.state import init_mtp_cache
+
+from jaxgdn.model.cache import init_mtp_cache
+from jaxgdn.model.forward import forward
+from jaxgdn.model.mtp import mtp_forward
+from jaxgdn.model.params import init_random_params, params_to_tensors
 
 TOL = 1e-4
 

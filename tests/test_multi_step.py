@@ -4,13 +4,19 @@ when a request stops inside a launch or reaches its length limit, and the pools 
 
 import numpy as np
 import pytest
+from helpers import (
+    assert_async_equals_sync,
+    naive_greedy,
+    outside_sampling_support,
+    run_recorded,
+    shipped_workload,
+    small_config,
+)
 
-from helpers import (assert_async_equals_sync, naive_greedy, outside_sampling_support, run_recorded,
-                     shipped_workload, small_config)
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.params import init_random_params
-from jaxgdn.request import RowKind, SamplingParams
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.request import RowKind, SamplingParams
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=41)

@@ -10,10 +10,10 @@ import os
 import jax
 import numpy as np
 import pytest
-
 from helpers import F, L, hf_causal_lm, hf_logits, random_ids, real_width_config, small_config
-from jaxgdn.model import forward
-from jaxgdn.params import init_random_params
+
+from jaxgdn.model.forward import forward
+from jaxgdn.model.params import init_random_params
 
 LENGTHS = (1, 2, 3, 63, 64, 65, 130)
 TOL_FP32 = 1e-4

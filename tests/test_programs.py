@@ -4,14 +4,14 @@ more; greedy requests still equal one-request greedy decoding."""
 
 import numpy as np
 import pytest
-
 from helpers import naive_greedy, run_staggered, small_config
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.params import init_random_params
-from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-from jaxgdn.programs import ProgramSet, StepShape
-from jaxgdn.request import SamplingParams
+
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.programs import ProgramSet, StepShape
+from jaxgdn.engine.request import SamplingParams
+from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=31)

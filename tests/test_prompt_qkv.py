@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import real_width_config, small_config
-from jaxgdn.attention import project_qkv_gate
-from jaxgdn.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
-from jaxgdn.params import init_random_params, serving_layout
+
+from jaxgdn.engine.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
+from jaxgdn.model.attention import project_qkv_gate
+from jaxgdn.model.params import init_random_params, serving_layout
 from pallas_kernels.common import on_gpu
 from pallas_kernels.prompt_qkv import _pieces, prompt_qkv_supports
 

@@ -7,9 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgdn.attention import gqa_attention
-from pallas_kernels.ragged_attention import (block_queries, kernel_supports, num_query_blocks, query_blocks,
-                                             ragged_paged_attention, ragged_paged_attention_reference)
+from jaxgdn.model.attention import gqa_attention
+from pallas_kernels.ragged_attention import (
+    block_queries,
+    kernel_supports,
+    num_query_blocks,
+    query_blocks,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 
 def ragged_case(seed=0, rows=((37, 1), (16, 20), (0, 40), (70, 3), (5, 1)), pad_tokens=7, pad_rows=2, Hq=4, Hkv=2,
@@ -112,11 +118,12 @@ def test_engine_with_the_attention_kernel_equals_plain_greedy(monkeypatch):
     kernel over the pages in place, q/k/v come out of the prompt kernel (`prompt_qkv`); every request equals
     one-request greedy decoding."""
     from helpers import naive_greedy, small_config
-    from jaxgdn import ragged_forward
-    from jaxgdn.engine_config import EngineConfig
-    from jaxgdn.params import init_random_params
-    from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-    from jaxgdn.request import SamplingParams
+
+    from jaxgdn.engine import ragged_forward
+    from jaxgdn.engine.config import EngineConfig
+    from jaxgdn.engine.request import SamplingParams
+    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.model.params import init_random_params
 
     cfg = small_config(eos_token_ids=())
     params = init_random_params(cfg, seed=8)

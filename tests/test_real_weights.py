@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgdn.checkpoint import load_checkpoint
-from jaxgdn.model import forward
+from jaxgdn.model.checkpoint import load_checkpoint
+from jaxgdn.model.forward import forward
 
 WEIGHTS = os.environ.get("JAXGDN_QWEN35_08B")
 

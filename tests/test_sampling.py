@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import outside_sampling_support, shipped_model, small_config
+
 from jaxgdn import LLM, EngineConfig, SamplingParams
-from jaxgdn.checkpoint import save_checkpoint
-from jaxgdn.params import init_random_params
-from jaxgdn.sampling import filtered_log_probs, position_keys, sample_tokens
+from jaxgdn.engine.sampling import filtered_log_probs, position_keys, sample_tokens
+from jaxgdn.model.checkpoint import save_checkpoint
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 
@@ -83,7 +83,7 @@ def test_greedy_only_branch_equals_the_general_verifier():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxgdn.spec_decode import _verify
+    from jaxgdn.engine.spec_decode import _verify
 
     rng = np.random.default_rng(0)
     R, K, V = 5, 2, 50
@@ -130,8 +130,8 @@ def test_sampler_and_verifier_read_the_scaled_logits_from_one_pinned_buffer(monk
     """The fix of the H200 pad-token bug (sampling.PIN_SCALED_LOGITS): the programs that sample and
     verify hold an optimization barrier on the scaled logits, so XLA cannot recompute them inside the
     sort's and the mask's fusions with bits that disagree. Unpinned, the barrier is gone (the check can fail)."""
-    from jaxgdn import sampling
-    from jaxgdn.spec_decode import verify_drafts
+    from jaxgdn.engine import sampling
+    from jaxgdn.engine.spec_decode import verify_drafts
 
     R, W, V = 2, 3, 16
     logits = jnp.zeros((R, W, V))

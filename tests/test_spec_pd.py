@@ -6,18 +6,18 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import naive_greedy, run_staggered, small_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import naive_greedy, run_staggered, small_config
-from jaxgdn.engine import LLMEngine
-from jaxgdn.engine_config import EngineConfig
-from jaxgdn.model import forward
-from jaxgdn.params import init_random_params
-from jaxgdn.pd import Handoff
-from jaxgdn.pd_workers import DecodeWorker, PrefillWorker, run_disaggregated
-from jaxgdn.request import RowKind, SamplingParams
-from jaxgdn.state import init_cache
+from jaxgdn.engine.config import EngineConfig
+from jaxgdn.engine.llm_engine import LLMEngine
+from jaxgdn.engine.pd import Handoff
+from jaxgdn.engine.request import RowKind, SamplingParams
+from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.model.cache import init_cache
+from jaxgdn.model.forward import forward
+from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
 PARAMS = init_random_params(CFG, seed=41)
@@ -265,7 +265,7 @@ def test_random_workloads_equal_plain_greedy(lengths, K, max_num_seqs, pd, eager
 def test_mtp_draft_equals_dense_mtp_head():
     """The engine's first draft is the argmax of the dense MTP head on (hidden of the last prompt
     position, sampled token): paged MTP KV, positions and the shift-left input are right."""
-    from jaxgdn.mtp import mtp_forward
+    from jaxgdn.model.mtp import mtp_forward
 
     p = prompt(1000, 9)
     # synchronous: the step brings its drafts to the host (async scheduling leaves them on the device)

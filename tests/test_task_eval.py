@@ -9,8 +9,8 @@ import pytest
 
 from jaxgdn import eval as jeval
 from jaxgdn import generate, task, train
-from jaxgdn.checkpoint import load_checkpoint
-from jaxgdn.tokenizer import load_tokenizer
+from jaxgdn.model.checkpoint import load_checkpoint
+from jaxgdn.model.tokenizer import load_tokenizer
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
 LINE = re.compile(r", so (\d+)([-+*/])(\d+)=(\d+)\.$|is (\d+)/(\d+)=(\d+)\.$")

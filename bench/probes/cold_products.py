@@ -17,8 +17,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
 from gemv import pallas_gemv  # bench/probes is sys.path[0] when this runs as a script
+
 from jaxgdn.bench.common import environment, profile_calls
 
 f32 = jnp.float32

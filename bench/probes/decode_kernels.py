@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment, load_trace
-from jaxgdn.bench.model import load_model, make_engine
-from jaxgdn.request import SamplingParams
+from jaxgdn.bench.steps import load_model, make_engine
+from jaxgdn.engine.request import SamplingParams
 from pallas_kernels.common import on_gpu
 
 # name = ... metadata={op_name="..." source_file="..." source_line=N ...}: one instruction of the HLO text

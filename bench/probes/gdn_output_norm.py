@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment, gdn_probe_shapes, probe_row, profile_calls, random_gdn_inputs
-from jaxgdn.norms import gated_rms_norm
+from jaxgdn.model.norms import gated_rms_norm
 from pallas_kernels.gdn_pallas import gdn_chunked_pallas
 
 EPS = 1e-6

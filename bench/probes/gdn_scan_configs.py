@@ -23,8 +23,14 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxgdn.bench.common import (ensure_triton_cache_dir, environment, probe_row, profile_calls, random_gdn_inputs,
-                                 torch_kernel_us)
+from jaxgdn.bench.common import (
+    ensure_triton_cache_dir,
+    environment,
+    probe_row,
+    profile_calls,
+    random_gdn_inputs,
+    torch_kernel_us,
+)
 from pallas_kernels.common import on_gpu
 from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_chunked_pallas
 

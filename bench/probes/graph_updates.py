@@ -16,8 +16,8 @@ import sys
 import jax
 import numpy as np
 
-from jaxgdn.bench.model import load_model, make_engine
-from jaxgdn.request import SamplingParams
+from jaxgdn.bench.steps import load_model, make_engine
+from jaxgdn.engine.request import SamplingParams
 
 
 def summarize(path: str) -> None:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxgdn.bench.common import environment, probe_row, profile_calls
-from jaxgdn.mlp import linear, split_outputs
-from jaxgdn.norms import pre_norm, upcast
+from jaxgdn.model.mlp import linear, split_outputs
+from jaxgdn.model.norms import pre_norm, upcast
 from pallas_kernels.common import on_gpu
 
 EPS = 1e-6

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgdn.sampling import position_keys, sample_tokens
-from jaxgdn.spec_decode import verify_drafts
+from jaxgdn.engine.sampling import position_keys, sample_tokens
+from jaxgdn.engine.spec_decode import verify_drafts
 
 
 def case(V: int, R: int, W: int, peak: float, seed: int, draft: int = 3):

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxgdn.bench.common import environment
-from jaxgdn.bench.model import load_model, make_engine
 from jaxgdn.bench.serving import task_prompts
-from jaxgdn.request import SamplingParams
+from jaxgdn.bench.steps import load_model, make_engine
+from jaxgdn.engine.request import SamplingParams
 
 MODEL = "checkpoints/qwen35-tiny-arith"
 

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
+from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
 from .common import environment, write_result
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
@@ -160,9 +160,9 @@ def main(argv=None) -> int:
     elif args.command == "kernels":
         from .kernels import bench_kernels as run
     elif args.command == "decode":
-        from .model import bench_decode as run
+        from .steps import bench_decode as run
     elif args.command == "prefill":
-        from .model import bench_prefill as run
+        from .steps import bench_prefill as run
     elif args.command == "spec":
         from .serving import bench_spec as run
     elif args.command == "pd":

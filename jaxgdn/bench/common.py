@@ -166,6 +166,7 @@ def profile_calls(fn, *args, iters: int = 10, divide_by: int | None = None) -> d
     """`profile_summary` of `iters` back-to-back calls of the jitted `fn(*args)` after one untimed call
     (compile, warm-up): device busy time and top kernels per call (or per `divide_by` units)."""
     import shutil
+
     import jax
 
     jax.block_until_ready(fn(*args))

@@ -8,11 +8,11 @@ import time
 def bench_engine(args) -> dict:
     import numpy as np
 
-    from ..config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-    from ..engine import LLMEngine
-    from ..engine_config import EngineConfig
-    from ..params import init_random_params
-    from ..request import SamplingParams
+    from ..engine.config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.request import SamplingParams
+    from ..model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+    from ..model.params import init_random_params
 
     L, F = LINEAR_ATTENTION, FULL_ATTENTION
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

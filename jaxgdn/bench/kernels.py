@@ -19,8 +19,14 @@ import functools
 
 import numpy as np
 
-from .common import (ensure_triton_cache_dir, measured_bandwidth_gbs, profile_calls, time_jax, time_torch,
-                     torch_kernel_us)
+from .common import (
+    ensure_triton_cache_dir,
+    measured_bandwidth_gbs,
+    profile_calls,
+    time_jax,
+    time_torch,
+    torch_kernel_us,
+)
 
 PREFILL_SHAPES = ((1, 4096), (1, 16384), (8, 2048))
 DECODE_SHAPES = ((1, 1), (64, 1), (64, 2), (64, 3), (64, 4))

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from ..engine_config import ASYNC_SCHEDULING_CHOICES
-from .model import engine_decode_ms, load_model, make_engine
+from ..engine.config import ASYNC_SCHEDULING_CHOICES
+from .steps import engine_decode_ms, load_model, make_engine
 
 
 def expected_tokens_per_step(p: float, K: int) -> float:
@@ -29,7 +29,7 @@ def shipped_model_spec(model_dir: str, ks, num_prompts: int, max_tokens: int,
                        async_scheduling: bool | None = None) -> list[dict]:
     """Real acceptance and tokens/s of the shipped model on its task, K in ks (0 = no MTP);
     async_scheduling: the engine's (None: its default)."""
-    from ..request import SamplingParams
+    from ..engine.request import SamplingParams
 
     params, cfg = load_model(model_dir, include_mtp=True)
     prompts = task_prompts(model_dir, num_prompts)
@@ -61,8 +61,8 @@ def shipped_model_spec(model_dir: str, ks, num_prompts: int, max_tokens: int,
 
 def task_prompts(model_dir: str, n: int) -> list[list[int]]:
     """The first n test problems of the arithmetic task, encoded with the checkpoint's tokenizer."""
+    from ..model.tokenizer import load_tokenizer
     from ..task import take
-    from ..tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     if tok is None:
@@ -124,9 +124,9 @@ def bench_spec(args) -> dict:
 
 def _handoff_for(params, cfg, length: int, device):
     """Run one prompt of `length` tokens through a prefill worker; returns (handoff, export-step seconds)."""
-    from ..engine_config import EngineConfig
-    from ..pd_workers import PrefillWorker
-    from ..request import SamplingParams
+    from ..engine.config import EngineConfig
+    from ..engine.request import SamplingParams
+    from ..engine.workers import PrefillWorker
 
     ps = 16
     ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=length, max_model_len=length + 16, kv_page_size=ps,
@@ -143,7 +143,7 @@ def handoff_costs(handoff, target_device, repeats: int = 5) -> dict:
     """ms to serialise/deserialise a handoff and to move its arrays onto target_device."""
     import jax
 
-    from ..pd import Handoff
+    from ..engine.pd import Handoff
 
     def median_ms(fn):
         runs = []

@@ -59,7 +59,7 @@ def _percentiles(values: list[float]) -> dict:
 def serve(llm, requests, request_rate: float, seed: int) -> dict:
     """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s), stamping each
     output token when the host sees it. Returns wall time, token counts and latency percentiles (ms)."""
-    from ..request import PLACEHOLDER_TOKEN, SamplingParams
+    from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
     eng = llm.engine
     rng = np.random.default_rng(seed)
@@ -115,7 +115,7 @@ def serve(llm, requests, request_rate: float, seed: int) -> dict:
 def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:
     """The time the requests need at least: prompt FLOPs over the matmul rate, plus the decode steps (the
     output tokens over the batch reached) each moving the weights and the batch's states once."""
-    from .model import decode_bytes, model_sizes, prefill_flops
+    from .steps import decode_bytes, model_sizes, prefill_flops
 
     sizes = model_sizes(params, cfg)
     flops = sum(prefill_flops(cfg, sizes, 1, len(p)) for p, _ in requests)
@@ -129,7 +129,7 @@ def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_g
 
 
 def engine_config(args):
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
 
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype,
@@ -201,8 +201,8 @@ def peer_transformers(args, requests) -> dict:
     import torch
     from transformers import GenerationConfig
 
-    from ..config import PRESETS, ModelConfig
-    from .model import hf_model
+    from ..model.config import PRESETS, ModelConfig
+    from .steps import hf_model
 
     cfg = (PRESETS[args.model]() if args.model in PRESETS
            else ModelConfig.from_json_file(os.path.join(args.model, "config.json")))
@@ -265,7 +265,7 @@ def bench_serve(args) -> dict:
 
 
 def _vocab(args) -> int:
-    from ..config import PRESETS, ModelConfig
+    from ..model.config import PRESETS, ModelConfig
 
     if args.model in PRESETS:
         return PRESETS[args.model]().vocab_size
@@ -273,7 +273,7 @@ def _vocab(args) -> int:
 
 
 def _tokenizer(args):
-    from ..config import PRESETS
-    from ..tokenizer import load_tokenizer
+    from ..model.config import PRESETS
+    from ..model.tokenizer import load_tokenizer
 
     return None if args.model in PRESETS else load_tokenizer(args.model)

@@ -15,11 +15,11 @@ import numpy as np
 
 from pallas_kernels.ragged_attention import num_query_blocks, query_blocks
 
-from .cache import NULL_PAGE
-from .engine_config import EngineConfig
+from .config import EngineConfig
 from .programs import StepShape
 from .request import Request, RowKind
 from .scheduler import ScheduledRow, runs_verify_path
+from .state import NULL_PAGE
 
 
 @dataclasses.dataclass

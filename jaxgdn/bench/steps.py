@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from ..engine_config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS
+from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS
 from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, measured_matmul_tflops
 
 
@@ -28,13 +28,13 @@ def load_model(model: str, include_mtp: bool = False):
     """(params bf16, cfg): a preset name (random weights) or a checkpoint directory."""
     import jax.numpy as jnp
 
-    from ..config import PRESETS
-    from ..params import init_random_params
+    from ..model.config import PRESETS
+    from ..model.params import init_random_params
 
     if model in PRESETS:
         cfg = PRESETS[model]()
         return init_random_params(cfg, seed=0, dtype=jnp.bfloat16, include_mtp=include_mtp), cfg
-    from ..checkpoint import load_checkpoint
+    from ..model.checkpoint import load_checkpoint
 
     cfg, params = load_checkpoint(model, dtype=jnp.bfloat16, include_mtp=include_mtp)
     return params, cfg
@@ -54,7 +54,7 @@ def model_sizes(params, cfg) -> dict:
 
 
 def _layer_counts(cfg):
-    from ..config import FULL_ATTENTION
+    from ..model.config import FULL_ATTENTION
 
     n_attn = sum(t == FULL_ATTENTION for t in cfg.layer_types)
     return n_attn, len(cfg.layer_types) - n_attn
@@ -88,7 +88,7 @@ def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: 
                         fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
     memory fraction), bf16, K MTP drafts."""
-    from ..engine_config import EngineConfig
+    from ..engine.config import EngineConfig
 
     ps = 16
     pages = batch * -(-max_model_len // ps) + 1
@@ -101,7 +101,7 @@ def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: 
 
 def make_engine(params, cfg, **config):
     """An engine sized for a benchmark (bench_engine_config's keywords)."""
-    from ..engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine
 
     return LLMEngine(params, cfg, bench_engine_config(**config))
 
@@ -133,7 +133,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     docs/gpu-log.md, r7.)"""
     import jax
 
-    from ..request import PLACEHOLDER_TOKEN, SamplingParams
+    from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
     warm = 5  # launches: the first runs op by op, the second records the CUDA graph; then steady state
     # The window opens `warm_after_compile` calls after the last call that compiled a new program (a bucket
@@ -250,7 +250,7 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
     replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with
     profile_dir the kernels of that step replayed (None without). Seven timed steps: three read 33.8 and
     34.2 ms at 1x8192 for kernels that had got faster (prefill-r10-kernels), host time moving by 1.4 ms."""
-    from ..request import SamplingParams
+    from ..engine.request import SamplingParams
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
     eng = make_engine(params, cfg, batch=batch, max_model_len=length + 8, max_batched=batch * length,
@@ -290,7 +290,7 @@ def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 
     device's part of the one before), timed from the first step to the last tokens back, after one
     untimed round (compile, warm-up). A prefill worker's throughput, where engine_prefill_ms is one step's
     latency."""
-    from ..request import SamplingParams
+    from ..engine.request import SamplingParams
 
     # two steps' worth of slots and pages: the next step's prompts are admitted while the last is in flight
     eng = make_engine(params, cfg, batch=2 * batch, max_model_len=length + 8, max_batched=batch * length,
@@ -495,6 +495,6 @@ def _prefill_payload(args, sizes, tflops, rows) -> dict:
 
 
 def _model_label(model: str) -> str:
-    from ..config import PRESETS
+    from ..model.config import PRESETS
 
     return f"{model} config, random bf16 weights" if model in PRESETS else f"{model} (bf16)"

@@ -9,7 +9,7 @@ import numpy as np
 
 from pallas_kernels import swiglu_mosaic
 
-from .engine_config import env_switch, min_tokens_arg
+from ..engine.config import env_switch, min_tokens_arg
 from .norms import DeferredNorm
 from .params import FUSED_PROJECTIONS
 

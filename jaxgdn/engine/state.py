@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import FULL_ATTENTION, ModelConfig
-from .engine_config import EngineConfig
-from .pytree import pytree_dataclass
+from ..model.config import FULL_ATTENTION, ModelConfig
+from ..model.pytree import pytree_dataclass
+from .config import EngineConfig
 
 Array = Any
 NULL_PAGE = 0

@@ -12,12 +12,12 @@ from typing import Callable
 import jax.numpy as jnp
 
 from .attention import attention_layer
+from .cache import ModelCache
 from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_layer
 from .mlp import linear, mlp
 from .norms import pre_norm, rms_norm_1p
 from .params import DecoderLayerParams, ModelParams
-from .state import ModelCache
 
 
 def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable):

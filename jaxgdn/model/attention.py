@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .cache import KVCache
 from .config import ModelConfig
 from .mlp import linear, project
 from .norms import rms_norm_1p, upcast
 from .rope import apply_rope, rope_cos_sin
-from .state import KVCache
 
 
 def project_qkv_gate(p, cfg: ModelConfig, x, positions):

@@ -15,20 +15,19 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
-from .cache import init_engine_state
-from .config import ModelConfig
-from .engine_config import EngineConfig
 from pallas_kernels.ragged_attention import block_queries
 
-from .input_batch import BlockTables, StepArrays, build_step, empty_step
+from ..model.config import ModelConfig
+from ..model.params import ModelParams, serving_layout
+from .config import EngineConfig
 from .memory import device_memory, plan_memory
-from .params import ModelParams, serving_layout
 from .pd import export_handoff, import_handoff
 from .programs import ProgramSet, StepShape
-from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind,
-                      SamplingParams)
+from .request import PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
 from .runner import ModelRunner, PendingStep, enable_compilation_cache, pack_step_arrays
 from .scheduler import Scheduler, SchedulerOutput
+from .state import init_engine_state
+from .step_layout import BlockTables, StepArrays, build_step, empty_step
 
 
 class LLMEngine:

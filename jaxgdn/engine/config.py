@@ -9,7 +9,6 @@ import os
 
 import jax.numpy as jnp
 
-
 # --async-scheduling on the command lines: its choices and the EngineConfig value each means
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
 

@@ -23,18 +23,18 @@ from pallas_kernels.gdn import use_pooled_recurrent
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled
 
-from .cache import EngineState, GDNSlots, PagedKV
-from .config import FULL_ATTENTION, ModelConfig
-from .engine_config import env_switch
-from .gdn import gdn_output, gdn_projections
-from .mlp import linear, linear_parts
-from .model import residual_block
-from .norms import rms_norm_1p
-from .params import ModelParams
+from ..model.config import FULL_ATTENTION, ModelConfig
+from ..model.forward import residual_block
+from ..model.gdn import gdn_output, gdn_projections
+from ..model.mlp import linear, linear_parts
+from ..model.norms import rms_norm_1p
+from ..model.params import ModelParams
+from ..model.pytree import pytree_dataclass
+from ..model.rope import rope_cos_sin
+from .config import env_switch
 from .pools import attention_kernels
-from .pytree import pytree_dataclass
 from .ragged_forward import StepMeta, attention_ragged, gdn_ragged
-from .rope import rope_cos_sin
+from .state import EngineState, GDNSlots, PagedKV
 
 Array = Any
 

@@ -27,18 +27,18 @@ from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
 from pallas_kernels.ragged_attention import kernel_supports as ragged_kernel_supports
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
-from .attention import project_qkv_gate
-from .cache import EngineState, GDNSlots, PagedKV
-from .config import FULL_ATTENTION, ModelConfig
-from .gdn import gdn_output, gdn_projections, split_qkv
-from .mlp import linear
-from .model import residual_block
-from .mtp import mtp_fc_input
-from .norms import rms_norm_1p
+from ..model.attention import project_qkv_gate
+from ..model.config import FULL_ATTENTION, ModelConfig
+from ..model.forward import residual_block
+from ..model.gdn import gdn_output, gdn_projections, split_qkv
+from ..model.mlp import linear
+from ..model.mtp import mtp_fc_input
+from ..model.norms import rms_norm_1p
+from ..model.params import ModelParams
+from ..model.pytree import pytree_dataclass
+from ..model.rope import rope_cos_sin
 from .pools import attention_kernels, read_conv, read_ssm, write_conv, write_kv, write_ssm
-from .params import ModelParams
-from .pytree import pytree_dataclass
-from .rope import rope_cos_sin
+from .state import EngineState, GDNSlots, PagedKV
 
 Array = Any
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import on_gpu
 from pallas_kernels.kv_write import write_kernel_supports, write_kv_pallas
 
-from .cache import GDNSlots, PagedKV
+from .state import GDNSlots, PagedKV
 
 
 def attention_kernels(impl: str) -> bool:

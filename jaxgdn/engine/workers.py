@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .engine import LLMEngine
+from .llm_engine import LLMEngine
 from .pd import Handoff
 from .request import SamplingParams
 

@@ -16,8 +16,8 @@ from typing import Callable
 
 import jax
 
-from .config import ModelConfig
-from .engine_config import EngineConfig
+from ..model.config import ModelConfig
+from .config import EngineConfig
 
 GiB = 1 << 30
 MARGIN_BYTES = 256 << 20  # XLA's and the runtime's own allocations beside the engine's buffers

@@ -8,14 +8,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
-from pallas_kernels.gdn import (gated_delta_rule, gated_delta_rule_checkpoints, runs_chunked_pallas,
-                                use_prompt_conv_kernel)
+from pallas_kernels.gdn import (
+    gated_delta_rule,
+    gated_delta_rule_checkpoints,
+    runs_chunked_pallas,
+    use_prompt_conv_kernel,
+)
 from pallas_kernels.gdn_pallas import GateSource, OutputGate
 
+from .cache import GDNState, empty_gdn_state
 from .config import ModelConfig
 from .mlp import linear, project, split_outputs
 from .norms import gated_rms_norm, upcast
-from .state import GDNState, empty_gdn_state
 
 
 def causal_conv_silu(mixed, window, conv_weight, num_valid=None):

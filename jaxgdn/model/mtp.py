@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .cache import ModelCache
 from .config import FULL_ATTENTION, ModelConfig
+from .forward import decoder_layer, logits_from_hidden, step_positions
 from .mlp import linear
-from .model import decoder_layer, logits_from_hidden, step_positions
 from .norms import rms_norm_1p
 from .params import ModelParams
-from .state import ModelCache
 
 
 def mtp_fc_input(params: ModelParams, cfg: ModelConfig, hidden, next_ids):

@@ -21,14 +21,14 @@ import numpy as np
 
 from pallas_kernels.input_assembly import combine_sampled_and_draft_tokens
 
-from .cache import NULL_PAGE, EngineState, PagedKV
-from .config import ModelConfig
-from .input_batch import StepArrays
-from .model import logits_from_hidden
-from .params import ModelParams
+from ..model.config import ModelConfig
+from ..model.forward import logits_from_hidden
+from ..model.params import ModelParams
 from .ragged_forward import StepMeta, forward_ragged, mtp_ragged
 from .sampling import position_keys
 from .spec_decode import verify_drafts
+from .state import NULL_PAGE, EngineState, PagedKV
+from .step_layout import StepArrays
 from .uniform_forward import forward_uniform
 
 

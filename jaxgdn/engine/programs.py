@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .engine_config import EngineConfig
+from .config import EngineConfig
 
 MIN_TOKEN_BUCKET = 16  # the smallest ragged program: decode steps of up to 16 rows
 

@@ -14,9 +14,9 @@ import dataclasses
 import math
 import time
 
-from .cache import FreeList
-from .engine_config import EngineConfig
+from .config import EngineConfig
 from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
+from .state import FreeList
 
 
 @dataclasses.dataclass

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import EngineState, GDNSlots, PagedKV
-from .config import FULL_ATTENTION, ModelConfig
+from ..model.config import FULL_ATTENTION, ModelConfig
 from .request import Request, SamplingParams
+from .state import EngineState, GDNSlots, PagedKV
 
 Array = Any
 
