@@ -8,7 +8,7 @@ row's few new tokens, writes the new K/V into the paged pools in place, attends 
 written by earlier steps) and over the new keys held in registers, and stores the gated output in o_proj's
 input layout. Reading this step's keys from registers rather than from the pages the kernel writes means
 no program depends on another's stores. The grouped form (`_grouped_kernel`; for many rows or long block
-tables: `uses_grouped_form`) runs one program per (row, KV head) instead, the group's query heads and the
+tables: `DecodeAttentionLayout.grouped`) runs one program per (row, KV head) instead, the group's query heads and the
 row's tokens as the rows of matrix products, so a KV head's pages are read once rather than once per query
 head, and splits a long row's page tiles over several programs whose softmax states XLA merges
 (`_merge_splits`, flash decoding) when the grid would be small.
@@ -35,6 +35,7 @@ are zeros.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,38 +46,42 @@ from jax.experimental import pallas as pl
 from .common import call_on_product, product_rows
 
 f32 = jnp.float32
-# Pages per tile of the page loop (one gathered load per pool; the next tile's loads in flight while one
-# computes): two while the grid has at most DEEP_TILE_MAX_PROGRAMS programs (about one an SM: each program's own
-# loads in flight are what hides the latency), else one. On the H200 at the 0.8B widths, 96 keys a row in
-# the pages, kernel us a layer: batch 1 6.35 on two pages against 6.92 on one, batch 8 6.78 against 7.46,
-# batch 64 18.46 against 15.10; 4 warps (2: 9.1 at batch 1; 8: 7.4)
-# (bench/results/decode-attention-probe-2_gpu_20261202.json).
-PAGES_PER_STEP = None  # None: by the rule above
-DEEP_TILE_MAX_PROGRAMS = 128
-NUM_WARPS = 4
-# The grouped form (`_grouped_kernel`: one program per (row, KV head), the group's query heads on matrix
-# products, each KV head's pages read once instead of once per query head, and a long row's page tiles split
-# over programs) for steps of at least GROUPED_MIN_ROWS rows or block tables of at least GROUPED_MIN_KEYS keys
-# a row (None: never by that measure). On the H200 at the 0.8B widths, us a layer (products included; the
-# per-query-head form on its best tiles / grouped, split to SPLIT_TARGET_PROGRAMS = 256 / the XLA chain):
-#   96 keys a row:   batch 1 11.5 / 12.0 / 13.2,   batch 8 14.4 / 14.5 / 17.3,   batch 64 30.5 / 26.1 / 36.7
-#   1024 keys a row: batch 1 51.4 / 18.4 / 20.8,   batch 8 61.3 / 29.8 / 42.5,   batch 64 189.1 / 128.6 / 201.3
-#   4096 keys a row: batch 1 200.5 / 26.2 / 39.1,  batch 8 215.9 / 74.4 / 145.9, batch 64 746.1 / 454.8 / 730.8
-# (decode-attention-probe-{96,1024b,4096}-r25): one program per query head walking all of a long row's pages
-# alone was 2.5-7.7x slower than the XLA chain at batch 1 (r23-r24's kernel); split, the kernel wins everywhere.
-GROUPED_MIN_ROWS = 16
-GROUPED_MIN_KEYS = 256
-# The grouped form splits a row's page tiles over programs (flash decoding) while the grid has fewer than
-# SPLIT_TARGET_PROGRAMS programs, each split at least SPLIT_MIN_TILES tiles (targets 64 / 128 / 256: at 1024
-# keys batch 8 36.7 / 29.8 / 29.8 us, batch 64 138.6 / 138.8 / 128.6).
-SPLIT_TARGET_PROGRAMS = 256
-SPLIT_MIN_TILES = 2
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionLayout:
+    """How the kernel lays out its programs (hashable: part of a program's static kernel policy).
 
+    pages_per_step: pages per tile of the page loop (one gathered load per pool; the next tile's loads in flight
+      while one computes); None: 2 while the grid has at most deep_tile_max_programs programs (about one an
+      SM: each program's own loads in flight hide the latency), else 1.
+    grouped_min_rows / grouped_min_keys: the grouped form (`_grouped_kernel`: one program per (row, KV head),
+      the group's query heads on matrix products, a KV head's pages read once instead of once per query head)
+      for steps of at least that many rows or block tables of at least that many keys a row (None: never by
+      that measure); one program per (row, query head) otherwise, faster for a few short rows.
+    split_target_programs / split_min_tiles: the grouped form splits a row's page tiles over programs (flash
+      decoding) while the grid has fewer than split_target_programs programs, each split at least
+      split_min_tiles tiles: a long row's pages walked by one program alone were slower than XLA's chain.
+    """
 
-def uses_grouped_form(rows: int, table_keys: int) -> bool:
-    """Whether a step of `rows` rows whose block tables hold `table_keys` keys runs the grouped form."""
-    return ((GROUPED_MIN_ROWS is not None and rows >= GROUPED_MIN_ROWS)
-            or (GROUPED_MIN_KEYS is not None and table_keys >= GROUPED_MIN_KEYS))
+    pages_per_step: int | None = None
+    deep_tile_max_programs: int = 128
+    num_warps: int = 4
+    grouped_min_rows: int | None = 16
+    grouped_min_keys: int | None = 256
+    split_target_programs: int = 256
+    split_min_tiles: int = 2
+
+    def grouped(self, rows: int, table_keys: int) -> bool:
+        """Whether a step of `rows` rows whose block tables hold `table_keys` keys runs the grouped form."""
+        return ((self.grouped_min_rows is not None and rows >= self.grouped_min_rows)
+                or (self.grouped_min_keys is not None and table_keys >= self.grouped_min_keys))
+
+    def split_count(self, programs: int, tiles: int) -> int:
+        """Splits of a row's page tiles for the grouped form: enough that the grid has about
+        split_target_programs programs, each at least split_min_tiles tiles; 1 (no split) when the grid is that
+        big already or the table that short. programs: R * Hkv; tiles: the block table's page tiles."""
+        splits = max(1, min(self.split_target_programs // programs, tiles // self.split_min_tiles))
+        per_split = -(-tiles // splits)
+        return -(-tiles // per_split)  # no split left without tiles
 
 
 def decode_attention_supports(head_dim: int, page_size: int, rotary_dim: int) -> bool:
@@ -321,26 +326,16 @@ def _merge_splits(m, l, acc, y, row_scale, Q: int, Hq: int, D: int, dtype):
     return (attn * _round(jax.nn.sigmoid(gate), dtype)).astype(dtype).reshape(R, Q, Hq * D)
 
 
-def split_count(programs: int, tiles: int) -> int:
-    """Splits of a row's page tiles for the grouped form (flash decoding): enough that the grid has about
-    SPLIT_TARGET_PROGRAMS programs, each at least SPLIT_MIN_TILES tiles; 1 (no split) when the grid is that
-    big already or the table that short. programs: R * Hkv; tiles: the block table's page tiles."""
-    splits = max(1, min(SPLIT_TARGET_PROGRAMS // programs, tiles // SPLIT_MIN_TILES))
-    per_split = -(-tiles // splits)
-    return -(-tiles // per_split)  # no split left without tiles
-
-
 def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, k_pool, v_pool, kv_slots,
                             block_tables, q_positions, old_lens, seq_lens, *, num_heads: int, dtype=None,
-                            interpret=None, num_warps: int | None = None, pages_per_step: int | None = None,
+                            interpret=None, layout: DecodeAttentionLayout = DecodeAttentionLayout(),
                             grouped: bool | None = None, splits: int | None = None):
     """The gated attention of short rows over the paged pools, written in place; shapes and semantics in the
     module docstring. dtype: the activation dtype (default y's; give it when y is the fp32 product of
     row_scale). Rows' new cells must use distinct slots (padding cells may share the null page's).
-    num_warps, pages_per_step (pages per tile of the page loop): default NUM_WARPS, PAGES_PER_STEP's rule.
-    grouped: one program per (row, KV head) with the group's query heads on matrix products
-    (`_grouped_kernel`) instead of one per (row, query head); default `uses_grouped_form`. splits: the
-    grouped form's splits of each row's page tiles (default `split_count`; forces grouped when > 1)."""
+    layout: the programs' layout. grouped: one program per (row, KV head) with the group's query heads on
+    matrix products (`_grouped_kernel`) instead of one per (row, query head); default the layout's rule.
+    splits: the grouped form's splits of each row's page tiles (default the layout's; forces grouped when > 1)."""
     R, Q, N = y.shape
     _, ps, Hkv, D = k_pool.shape
     MP = block_tables.shape[1]
@@ -351,9 +346,9 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
     scaled = row_scale is not None
     if grouped is None:
-        grouped = (splits or 1) > 1 or uses_grouped_form(R, MP * ps)
+        grouped = (splits or 1) > 1 or layout.grouped(R, MP * ps)
     programs = R * (Hkv if grouped else num_heads)
-    pages_per_step = pages_per_step or PAGES_PER_STEP or (2 if programs <= DEEP_TILE_MAX_PROGRAMS else 1)
+    pages_per_step = layout.pages_per_step or (2 if programs <= layout.deep_tile_max_programs else 1)
     common = dict(Q=Q, Hq=num_heads, Hkv=Hkv, D=D, rot=rot, eps=float(eps), scaled=scaled, PB=pages_per_step)
     inputs = (q_norm, k_norm, cos, sin, i32(kv_slots), i32(block_tables), i32(q_positions), i32(old_lens),
               i32(seq_lens))
@@ -361,17 +356,17 @@ def decode_attention_pooled(y, row_scale, q_norm, k_norm, eps: float, cos, sin, 
     if not grouped:
         kernel = functools.partial(_attention_kernel, **common)
         return call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, num_heads),
-                               num_warps or NUM_WARPS, interpret)
+                               layout.num_warps, interpret)
     # matrix rows: the group's heads x Q tokens; every dot dimension at least 16 (Triton's smallest)
     PB = common["PB"] = max(pages_per_step, -(-16 // ps))
     M = max(16, pl.next_power_of_2(num_heads // Hkv * Q))
     tiles = -(-MP // PB)
-    S = splits or split_count(R * Hkv, tiles)
+    S = splits or layout.split_count(R * Hkv, tiles)
     kernel = functools.partial(_grouped_kernel, M=M, S=S, TS=-(-tiles // S), dtype=dtype, **common)
     if S > 1:
         out = (jax.ShapeDtypeStruct((R, Hkv, S, M), f32),) * 2 + (jax.ShapeDtypeStruct((R, Hkv, S, M, D), f32),)
     outputs = call_on_product(kernel, y, row_scale, inputs, (k_pool, v_pool), out, (R, Hkv, S),
-                              num_warps or NUM_WARPS, interpret)
+                              layout.num_warps, interpret)
     if S == 1:
         return outputs
     m, l, acc, k_pool, v_pool = outputs

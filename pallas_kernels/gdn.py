@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .common import on_gpu
-from .gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas, pooled_kernel_supports
+from .gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
 
 CHUNK_SIZE = 64
 
@@ -139,19 +139,10 @@ def gdn_auto(q, k, v, g, beta, initial_state=None):
     return gdn_chunked_pallas(q, k, v, g, beta, initial_state)
 
 
-def use_pooled_recurrent(impl: str, T: int, dk: int, dv: int) -> bool:
-    """Whether the engine runs rows of T tokens with the in-place pool kernel (`gdn_recurrent_pooled`):
-    short rows with tile-sized heads, under "pallas_pool" anywhere (interpret mode on CPU) and under
-    "auto" on a GPU. It reads and writes the slot pool in place: on the H200 it removed the gather and
-    scatter of every row's state (0.8B decode at batch 128: 7.7 -> 4.6 ms of device time per step)."""
-    wanted = impl == "pallas_pool" or (impl == "auto" and on_gpu())
-    return wanted and T <= RECURRENT_MAX_T and pooled_kernel_supports(dk, dv)
-
-
 def runs_chunked_pallas(impl: str, T: int) -> bool:
     """Whether `gated_delta_rule(impl=impl)` runs rows of T tokens on the chunked Pallas kernel: "pallas"
-    anywhere (interpret mode on CPU), "auto"/"pallas_pool" on a GPU above RECURRENT_MAX_T tokens."""
-    return impl == "pallas" or (impl in ("auto", "pallas_pool") and on_gpu() and T > RECURRENT_MAX_T)
+    anywhere (interpret mode on CPU), "auto" on a GPU above RECURRENT_MAX_T tokens."""
+    return impl == "pallas" or (impl == "auto" and on_gpu() and T > RECURRENT_MAX_T)
 
 
 def use_prompt_conv_kernel(impl: str, T: int) -> bool:
@@ -168,7 +159,6 @@ _IMPLS: dict[str, GDNImpl] = {
     "scan": gdn_recurrent_reference,
     "pallas": gdn_chunked_pallas,
     "pallas_recurrent": gdn_recurrent_pallas,
-    "pallas_pool": gdn_auto,  # outside the engine's short rows it is the "auto" choice
 }
 
 
@@ -183,10 +173,10 @@ def available_gdn_impls() -> tuple[str, ...]:
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None, gates=None):
     """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
-    "pallas_recurrent", "pallas_pool" or a registered kernel).
+    "pallas_recurrent" or a registered kernel).
 
     gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
-    (after its scan; in its output kernel with fuse_output=False); o is then the normed output in z's
+    (after its scan); o is then the normed output in z's
     dtype. gates: a `gdn_pallas.GateSource` for its prep kernel to compute g and beta from (pass g = beta =
     None). Only where `runs_chunked_pallas`."""
     if gate is not None or gates is not None:
@@ -204,6 +194,6 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", g
 def gated_delta_rule_checkpoints(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
     """(o, final_state, states [B, T, Hv, dk, dv]): the state after every step, for spec verification.
     The Pallas recurrent kernel on a GPU unless impl names an XLA form; the checkpointing scan otherwise."""
-    if impl in ("pallas", "pallas_recurrent") or (impl in ("auto", "pallas_pool") and on_gpu()):
+    if impl in ("pallas", "pallas_recurrent") or (impl == "auto" and on_gpu()):
         return gdn_recurrent_pallas(q, k, v, g, beta, initial_state, keep_states=True)
     return gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state)

@@ -14,18 +14,13 @@ Inputs stay in their [B, T, H, d] layout (no transposes); L2 norm and query scal
 - `gdn_chunked_pallas`: the chunked (WY) form. `_prep_kernel` runs over all chunks in parallel: cumulative
   log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward substitution on 16-row blocks plus
   block combination, U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and the key scale s = e^{γ_last-γ} (with the key
-  norm). The scan is the only sequential part: per (row, head, dv block) it walks the chunks with the state
-  in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'). The output is O = (e^γ Q) S_enter +
-  (QKᵀ ⊙ Dec) V'. Default (r35): `_output_parts_kernel` forms QKᵀ ⊙ Dec and the query factor in parallel
-  and the fused `_scan_kernel` adds the two state-dependent products inside the scan's loop, so the entering
-  states and V' never go to memory; the layer's gated RMS norm (`gate=`) then runs in XLA. The older
-  form (`fuse_output=False`): `_scan_kernel` stores each chunk's entering state and V' and the parallel
-  `_output_kernel` reads them back, applying the gated norm before its store. At H=16, d=128 the default
-  took 163.7 / 608.6 / 481.6 µs of kernels at B1 T4096 / B1 T16384 / B8 T2048, 0.90x / 0.89x / 0.87x
-  fla's (bench/results/kernels-r35_gpu_20261203.json), against 184.8 / 691.2 / 505.3 for the older form
-  (bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
-  Each row of the batch starts from its own initial state and chunks never cross rows. With `GateSource`
-  the prep kernel computes g and β itself from the input projection's b and a columns, read in place.
+  norm). `_output_parts_kernel` forms QKᵀ ⊙ Dec and the query factor, also in parallel. The scan is the only
+  sequential part: per (row, head, dv block) it walks the chunks with the state in registers,
+  V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'), and adds the output's two state-dependent products inside
+  its loop, O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V', so the entering states and V' never go to memory; the
+  layer's gated RMS norm (`gate=`) runs in XLA after. Each row of the batch starts from its own initial
+  state and chunks never cross rows. With `GateSource` the prep kernel computes g and β itself from the
+  input projection's b and a columns, read in place.
 
 Matmuls take their operands in the input dtype with fp32 accumulation (bf16 tensor cores for bf16
 models, exact fp32 for fp32 runs), as fla does; the state, decays and the triangular inverse stay fp32
@@ -374,68 +369,50 @@ def _source_gates(src_ref, alog_ref, dtb_ref, nvalid_ref, b, h, t0, T: int, b_of
     return jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
 
 
-def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, *refs, N, BV, group, dtype, fused: bool,
-                 prefetch: bool = False):
-    """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The
-    only sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the
-    per-token key scale, applied to the [CHUNK, BV] V' (scaling the [CHUNK, dk] raw keys instead took 231 µs
-    against 163 at 1x8192: bench/results/gdn-split-prep-probe-r2_gpu_20261202.json). Triton's loop
-    pipelining loads the next chunks' W, U and K ahead (`gdn_chunked_pallas` picks its depth).
-
-    fused (refs q, qf, intra, o, sT): the output's products run in the loop while the state is in registers,
-    O = qf ⊙ (Q S_enter) + intra V' with qf and intra from `_output_parts_kernel` and Q raw, so the
-    entering states and V' never go to memory ([T/64, dk, dv] and [T, dv] a head, each written and read
-    once otherwise); they do not feed the state, so they can run beside the chain's. Otherwise (refs h, vn,
-    sT) it stores each chunk's entering state and V' for the parallel `_output_kernel`."""
+def _scan_kernel(w_ref, u_ref, k_ref, kscale_ref, gam_ref, s0_ref, q_ref, qf_ref, intra_ref, o_ref, sT_ref, *, N,
+                 BV, group, dtype):
+    """One (row, value head, dv block): the chunks in order with the state [dk, BV] in registers. The only
+    sequential part: V' = U - W S and S <- e^{γ_last} S + Kᵀ(s ⊙ V') with s = n e^{γ_last-γ} the per-token key
+    scale, applied to the [CHUNK, BV] V' (cheaper than scaling the [CHUNK, dk] raw keys). The output's products
+    run in the loop while the state is in registers, O = qf ⊙ (Q S_enter) + intra V' with qf and intra from
+    `_output_parts_kernel` and Q raw; they do not feed the state, so they run beside the chain's. Triton's loop
+    pipelining loads the next chunks' W, U and K ahead (`gdn_chunked_pallas` picks its depth); the per-chunk
+    scalars, which feed no product operand and which the pipelining leaves in the loop, are loaded one chunk
+    ahead here and carried."""
     b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     cols = pl.ds(iv * BV, BV)
-    if fused:
-        q_ref, qf_ref, intra_ref, o_ref, sT_ref = refs
-    else:
-        h_ref, vn_ref, sT_ref = refs
-    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, b, h, N, qf_ref=qf_ref if fused else None)
+    small = functools.partial(_chunk_scalars, kscale_ref, gam_ref, qf_ref, b, h, N)
 
     def chunk(n, carry):
-        S, scalars = carry[0], (carry[1:] if prefetch else small(n))
-        ahead = small(n + 1) if prefetch else ()
-        kscale, g_last = scalars[:2]
+        S, (kscale, g_last, qf) = carry[0], carry[1:]
         rows = pl.ds(n * CHUNK, CHUNK)
-        if not fused:
-            h_ref[b, n, h, :, cols] = S.astype(h_ref.dtype)
         v_new = u_ref[b, rows, h, cols].astype(f32) - _dot(w_ref[b, rows, h, :], S, dtype)  # [C, BV]
-        if fused:
-            o = scalars[2][:, None] * _dot(q_ref[b, rows, hk, :], S, dtype)
-            o_ref[b, rows, h, cols] = (o + _dot(intra_ref[b, rows, h, :], v_new, dtype)).astype(o_ref.dtype)
-        else:
-            vn_ref[b, rows, h, cols] = v_new.astype(vn_ref.dtype)
-        return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *ahead)
+        o = qf[:, None] * _dot(q_ref[b, rows, hk, :], S, dtype)
+        o_ref[b, rows, h, cols] = (o + _dot(intra_ref[b, rows, h, :], v_new, dtype)).astype(o_ref.dtype)
+        return (S * jnp.exp(g_last) + _dot(k_ref[b, rows, hk, :].T, v_new * kscale[:, None], dtype), *small(n + 1))
 
-    start = (s0_ref[b, h, :, cols].astype(f32), *(small(0) if prefetch else ()))
-    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, start)[0]
+    sT_ref[b, h, :, cols] = lax.fori_loop(0, N, chunk, (s0_ref[b, h, :, cols].astype(f32), *small(0)))[0]
 
 
-def scan_pipeline_depth(stages: int, dk: int, BV: int, itemsize: int, fused: bool) -> int:
+def scan_pipeline_depth(stages: int, dk: int, BV: int, itemsize: int) -> int:
     """The scan's pipelining depth: `stages`, lowered until its buffers fit SCAN_SHARED_MEMORY_BUDGET.
 
-    Triton keeps stages - 1 chunks of the loop's tile loads in shared memory: W and K [CHUNK, dk] and U
-    [CHUNK, BV], and for the fused scan Q [CHUNK, dk] and intra [CHUNK, CHUNK] too, all `itemsize` bytes. fp32
-    inputs at dk = 128 and 3 stages ask 2 x 116 KiB in the fused scan, past the H200's 227 KiB
-    ("Shared memory size limit exceeded: requested 245760, available 232448", r36); bf16 asks half."""
-    per_chunk = CHUNK * (2 * dk + BV + ((dk + CHUNK) if fused else 0)) * itemsize
+    Triton keeps stages - 1 chunks of the loop's tile loads in shared memory: W, K and Q [CHUNK, dk], U
+    [CHUNK, BV] and intra [CHUNK, CHUNK], all `itemsize` bytes: fp32 inputs at dk = 128 and 3 stages ask
+    2 x 116 KiB, past the H200's 227 KiB; bf16 asks half."""
+    per_chunk = CHUNK * (3 * dk + BV + CHUNK) * itemsize
     while stages > 1 and (stages - 1) * per_chunk > SCAN_SHARED_MEMORY_BUDGET:
         stages -= 1
     return stages
 
 
-def _chunk_scalars(kscale_ref, gam_ref, b, h, N, n, qf_ref=None):
-    """The scan's per-chunk loads that feed no product operand directly: the key scale [CHUNK] and γ_last
-    (and the fused output's query factor [CHUNK]) of chunk min(n, N - 1). Triton's pipelining leaves them in
-    the loop body; with `prefetch` the scan loads chunk n + 1's while chunk n runs, carried in the loop."""
+def _chunk_scalars(kscale_ref, gam_ref, qf_ref, b, h, N, n):
+    """The scan's per-chunk loads that feed no product operand directly, of chunk min(n, N - 1): the key scale
+    [CHUNK], γ_last and the output's query factor [CHUNK]."""
     n = jnp.minimum(n, N - 1)
     rows = pl.ds(n * CHUNK, CHUNK)
-    out = (kscale_ref[b, rows, h], gam_ref[b, n * CHUNK + CHUNK - 1, h])
-    return out + ((qf_ref[b, rows, h],) if qf_ref is not None else ())
+    return kscale_ref[b, rows, h], gam_ref[b, n * CHUNK + CHUNK - 1, h], qf_ref[b, rows, h]
 
 
 def _output_parts_kernel(q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, scale, dtype):
@@ -455,34 +432,6 @@ def _output_parts_kernel(q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, sca
     intra = _dot(q, k.T, dtype) * (scale * inv_q)[:, None] * inv_k[None, :] * decay
     intra_ref[b, rows, h, :] = intra.astype(intra_ref.dtype)
     qf_ref[b, rows, h] = scale * inv_q * jnp.exp(gam)
-
-
-def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, *refs, group, BV, scale, dtype, norm=None):
-    """One (row, value head, chunk, dv block): O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V'.
-
-    norm = (eps, dv, z_offset, z_stride) (refs z, weight, out; the block a whole head): the GDN layer's
-    gated RMS norm is applied before the store, as `norms.gated_rms_norm(O in the activation dtype, z,
-    weight)` computes it: the fp32 O never goes to memory and back. dv is the real head width (padded
-    columns are zero); head h's gate is z[b, t, z_offset + h * z_stride : ... + dv] of a [B, T, C] z."""
-    b, h, n, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    hk = h // group
-    cols = pl.ds(iv * BV, BV)
-    rows = pl.ds(n * CHUNK, CHUNK)
-    r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    gam = gam_ref[b, rows, h]
-    decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
-    q = _l2norm(q_ref[b, rows, hk, :].astype(f32)) * scale
-    k = _l2norm(k_ref[b, rows, hk, :].astype(f32))
-    intra = _dot(q, k.T, dtype) * decay
-    o = _dot(q * jnp.exp(gam)[:, None], h_ref[b, n, h, :, cols], dtype) + _dot(intra, vn_ref[b, rows, h, cols], dtype)
-    o_ref = refs[-1]
-    if norm is not None:
-        z_ref, w_ref = refs[:2]
-        eps, dv, z_offset, z_stride = norm
-        z = z_ref[b, rows, pl.ds(z_offset + h * z_stride + iv * BV, BV)]
-        o = gated_norm(o, z, w_ref[cols], eps, dv, o_ref.dtype)
-    o_ref[b, rows, h, cols] = o.astype(o_ref.dtype)
 
 
 def gated_norm(o, z, weight, eps: float, dv: int, dtype):
@@ -539,9 +488,8 @@ def gate_kernel_args(g, beta, gates: GateSource | None, B: int, T: int, Hv: int)
 
 
 def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, block_v: int | None = None,
-                       warps: tuple[int, int, int] = (2, 4, 4), block_v_out: int | None = None, gate=None,
-                       scan_stages: int | None = None, out_dtype=None, gates: GateSource | None = None,
-                       fuse_output: bool = True, prefetch: bool = True):
+                       warps: tuple[int, int, int] = (2, 4, 4), gate=None, scan_stages: int | None = None,
+                       out_dtype=None, gates: GateSource | None = None):
     """The chunked form (see the module docstring). Returns (o fp32, final state fp32).
 
     out_dtype: o's dtype without gate= (default fp32; fla's `chunk_gated_delta_rule` returns it in the
@@ -551,25 +499,12 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
     gates = `GateSource(...)` with g = beta = None: the prep kernel computes g and beta from the projection.
 
     gate = `OutputGate(z, weight, eps[, z_offset])`, or that tuple: the GDN layer's gated RMS norm applied
-    to o, returned in z.dtype: `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)`. With
-    fuse_output=False the output kernel applies it on whole heads before its store.
+    to o (in XLA), returned in z.dtype: `norms.gated_rms_norm(o.astype(z.dtype), z, weight, eps, z.dtype)`.
 
-    fuse_output (default): the output's products in the scan's loop (the fused `_scan_kernel`) instead of the
-    output kernel, which needs the entering states and V' through memory; the gated norm then runs in
-    XLA (the output's dv tiles are the scan's). On the H200 at 1x8192, 16 heads of 128, the layer's call
-    (in-place gates, the gated norm) took 361.0 µs of kernels against 390.0, the norm's XLA kernel 31.8
-    of it (bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
-    prefetch (default): the scan loads each chunk's key scale and γ_last (`_chunk_scalars`) one chunk
-    ahead; Triton's pipelining leaves loads that feed no product operand in the loop, each a memory wait:
-    the older scan 155.0 µs against 164.7 at 1x8192, and the fused scan with its query factor 161.7
-    against 260.0 (same files, -noprefetch for the latter).
-
-    Tuning (bench/probes/gdn_chunk_configs.py, gdn_prep.py, gdn_scan_configs.py): block_v, block_v_out the
-    dv tiles of the scan and output kernels; warps per (prep, scan, output or output-parts) kernel;
-    scan_stages Triton's pipelining depth of the scan's chunk loop (default: 3 when the scan has at most
-    one program per SM, else 2; either lowered to what fits the shared memory, `scan_pipeline_depth`). The prep kernel
-    runs fastest on 2 warps: 165 µs a layer at 8192 tokens against 210 on 4 and 410 on 8, before its block
-    combination moved to TF32 (bench/results/gdn-prep-probe_gpu_20261201.json; 151 µs since)."""
+    Tuning: block_v the scan's dv tile; warps per (prep, scan, output parts) kernel (the prep kernel runs
+    fastest on 2); scan_stages Triton's pipelining depth of the scan's chunk loop (default: 3 when the scan
+    has at most one program per SM, where deeper loads hide latency best, else 2, where two programs an SM
+    win on occupancy; either lowered to what fits the shared memory, `scan_pipeline_depth`)."""
     prep_warps, scan_warps, out_warps = warps
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -597,66 +532,31 @@ def gdn_chunked_pallas(q, k, v, g, beta, initial_state=None, interpret=None, blo
         grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(prep_warps),
     )(k, v, *gate_args)
     if scan_stages is None:
-        # A program with its SM to itself hides the chunk loads best 3 stages deep: one row of 8192 tokens
-        # (dv tile 16, 128 programs) 151 µs against 191 for the hand-written one-chunk prefetch this kernel
-        # had and 229-231 on 1-2 stages; with two programs an SM the shallower pipeline's occupancy wins:
-        # eight rows of 1024 (dv tile 64, 256 programs) 74 µs on 2 stages against 88 on 3
-        # (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; the prefetch in commit 8cc9ca1).
         scan_stages = 3 if B * Hv * (dvp // BV) <= DEEP_PIPELINE_MAX_PROGRAMS else 2
-    scan_stages = scan_pipeline_depth(scan_stages, dkp, BV, jnp.dtype(dtype).itemsize, fuse_output)
-    scan_params = triton_params(scan_warps, num_stages=scan_stages)
+    scan_stages = scan_pipeline_depth(scan_stages, dkp, BV, jnp.dtype(dtype).itemsize)
     if gate is not None and out_dtype is not None:
         raise ValueError("out_dtype is for the plain output; with gate= the output is in z's dtype")
-    if fuse_output:
-        o_dtype = gate[0].dtype if gate is not None else (out_dtype or f32)
-        intra, qf = pl.pallas_call(
-            functools.partial(_output_parts_kernel, group=group, scale=dk**-0.5, dtype=dtype),
-            out_shape=(sds((B, Tp, Hv, CHUNK), dtype), sds((B, Tp, Hv), f32)),
-            grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(out_warps),
-        )(q, k, gam)
-        o, sT = pl.pallas_call(
-            functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, fused=True, prefetch=prefetch),
-            out_shape=(sds((B, Tp, Hv, dvp), o_dtype), sds((B, Hv, dkp, dvp), f32)),
-            grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
-        )(w, u, k, kscale, gam, s0, q, qf, intra)
-        o = o[:, :T, :, :dv]
-        if gate is not None:
-            o = _gated_norm_heads(o, OutputGate(*gate), Hv, dv)
-        return o, sT[:, :, :dk, :dv]
-    h_enter, v_new, sT = pl.pallas_call(
-        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype, fused=False, prefetch=prefetch),
-        out_shape=(sds((B, N, Hv, dkp, dvp), dtype), sds((B, Tp, Hv, dvp), dtype), sds((B, Hv, dkp, dvp), f32)),
-        grid=(B, Hv, dvp // BV), interpret=interpret, compiler_params=scan_params,
-    )(w, u, k, kscale, gam, s0)
-    # The output kernel's dv tile: whole heads (one Q·Kᵀ per chunk instead of one per tile) once the grid
-    # has programs to spare; 0.8B at 8192 tokens: 79 µs against 115 with 64-wide tiles
-    # (bench/results/gdn-chunk-configs-probe_gpu_20261201.json).
-    BVO = min(dvp, block_v_out or (128 if B * Hv * N >= 1024 else 64))
-    norm, gate_args = None, ()
-    if gate is None:
-        out_dtype = out_dtype or f32
-    else:  # the norm reads whole heads: one dv tile
-        gate = OutputGate(*gate)
-        z, z_offset, z_stride = gate.z, gate.z_offset, dv
-        if z.ndim == 4:  # [B, T, Hv, dv]: head-contiguous, read at column h * dv
-            z, z_offset = z.reshape(B, T, Hv * dv), 0
-        if pad or dvp != dv:  # a padded copy of just the gates, heads dvp apart
-            z = jnp.pad(z[..., z_offset : z_offset + Hv * dv].reshape(B, T, Hv, dv),
-                        [(0, 0), (0, pad), (0, 0), (0, dvp - dv)])
-            z, z_offset, z_stride = z.reshape(B, Tp, Hv * dvp), 0, dvp
-        BVO, norm, out_dtype = dvp, (float(gate.eps), dv, z_offset, z_stride), z.dtype
-        gate_args = (z, jnp.pad(gate.weight, [(0, dvp - dv)]))
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, group=group, BV=BVO, scale=dk**-0.5, dtype=dtype, norm=norm),
-        out_shape=sds((B, Tp, Hv, dvp), out_dtype),
-        grid=(B, Hv, N, dvp // BVO), interpret=interpret, compiler_params=triton_params(out_warps),
-    )(q, k, gam, h_enter, v_new, *gate_args)
-    return o[:, :T, :, :dv], sT[:, :, :dk, :dv]
+    o_dtype = gate[0].dtype if gate is not None else (out_dtype or f32)
+    intra, qf = pl.pallas_call(
+        functools.partial(_output_parts_kernel, group=group, scale=dk**-0.5, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, CHUNK), dtype), sds((B, Tp, Hv), f32)),
+        grid=(B, Hv, N), interpret=interpret, compiler_params=triton_params(out_warps),
+    )(q, k, gam)
+    o, sT = pl.pallas_call(
+        functools.partial(_scan_kernel, N=N, BV=BV, group=group, dtype=dtype),
+        out_shape=(sds((B, Tp, Hv, dvp), o_dtype), sds((B, Hv, dkp, dvp), f32)),
+        grid=(B, Hv, dvp // BV), interpret=interpret,
+        compiler_params=triton_params(scan_warps, num_stages=scan_stages),
+    )(w, u, k, kscale, gam, s0, q, qf, intra)
+    o = o[:, :T, :, :dv]
+    if gate is not None:
+        o = _gated_norm_heads(o, OutputGate(*gate), Hv, dv)
+    return o, sT[:, :, :dk, :dv]
 
 
 def _gated_norm_heads(o, gate: OutputGate, Hv: int, dv: int):
-    """The output kernel's gated norm in XLA, for the fused scan's o [B, T, Hv, dv] (in z's dtype): z whole
-    heads [B, T, Hv, dv] or columns z_offset .. z_offset + Hv * dv of a [B, T, C] array."""
+    """The gated norm in XLA, for the scan's o [B, T, Hv, dv] (in z's dtype): z whole heads [B, T, Hv, dv] or
+    columns z_offset .. z_offset + Hv * dv of a [B, T, C] array."""
     z = gate.z
     if z.ndim == 3:
         z = z[..., gate.z_offset : gate.z_offset + Hv * dv].reshape(*o.shape)

@@ -107,21 +107,26 @@ def test_fused_projections_serve_the_same_logits():
 
 @pytest.mark.parametrize("tokens", [1, 200])  # 1/rms after the product (a batch-1 decode step) and before it
 def test_folded_norm_product_equals_norm_then_product(tokens):
-    """A DeferredNorm's product with the (1 + w)-folded weight is the RMSNorm's output times the weight."""
+    """A DeferredNorm's product with the (1 + w)-folded weight is the RMSNorm's output times the weight; the
+    default policy post-scales one token (a batch-1 decode step) and pre-scales more."""
     from jaxgdn.model.mlp import linear
-    from jaxgdn.model.norms import POST_SCALE_MAX_TOKENS, DeferredNorm, inverse_rms, rms_norm_1p
+    from jaxgdn.model.norms import inverse_rms, pre_norm, rms_norm_1p
+    from jaxgdn.model.policy import DEFAULT_POLICY
 
-    assert (tokens <= POST_SCALE_MAX_TOKENS) == (tokens == 1)
     kx, kw, kn = jax.random.split(jax.random.PRNGKey(tokens), 3)
     x = 3.0 * jax.random.normal(kx, (tokens, 48))
     w = jax.random.normal(kw, (40, 48))
     norm = 0.3 * jax.random.normal(kn, (48,))
     want = linear(rms_norm_1p(x, norm, 1e-6), w)
-    got = linear(DeferredNorm(x, inverse_rms(x, 1e-6)), w * (1.0 + norm))
+    deferred = pre_norm(x, None, 1e-6, DEFAULT_POLICY.post_scale_max_tokens)
+    assert deferred.post_scale == (tokens == 1)
+    np.testing.assert_allclose(np.asarray(deferred.inv_rms), np.asarray(inverse_rms(x, 1e-6)))
+    got = linear(deferred, w * (1.0 + norm))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # the [R, Q] view of the engine's rows reshapes both factors
-    rows = DeferredNorm(x, inverse_rms(x, 1e-6)).reshape(1, tokens, 48)
+    # the [R, Q] view of the engine's rows reshapes both factors and keeps the form
+    rows = deferred.reshape(1, tokens, 48)
     assert rows.shape == (1, tokens, 48) and rows.inv_rms.shape == (1, tokens, 1)
+    assert rows.post_scale == deferred.post_scale
 
 
 def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
@@ -129,8 +134,8 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     operands only, and without a Hopper GPU `gated_product` stays the XLA form whatever the size."""
     import jax.numpy as jnp
 
-    from jaxgdn.engine.config import env_switch
     from jaxgdn.model import mlp
+    from jaxgdn.model.policy import DEFAULT_POLICY
     from jaxgdn.model.norms import DeferredNorm, inverse_rms
     from jaxgdn.model.params import MLPParams
     from pallas_kernels import swiglu_mosaic as sm
@@ -146,30 +151,12 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
         assert not sm.supported_small(m, k, width, dtype)
     assert not sm.kernel_available()  # the CPU suite
     kx, kw = jax.random.split(jax.random.PRNGKey(3))
-    x = jax.random.normal(kx, (mlp.SWIGLU_KERNEL_MIN_TOKENS, 64), jnp.bfloat16)
+    x = jax.random.normal(kx, (DEFAULT_POLICY.swiglu_min_tokens, 64), jnp.bfloat16)
     w = (jax.random.normal(kw, (256, 64)) * 0.1).astype(jnp.bfloat16)
     p = MLPParams(None, None, jnp.zeros((64, 128), jnp.bfloat16), fused=w)
-    assert mlp.swiglu_kernel_for(p, x) is None
+    assert mlp.swiglu_kernel_for(p, x, DEFAULT_POLICY) is None
     gate, up = jnp.split(x @ w.T, 2, axis=-1)
     np.testing.assert_array_equal(np.asarray(mlp.gated_product(p, x)), np.asarray(jax.nn.silu(gate) * up))
-    # $JAXGDN_SWIGLU_MIN_TOKENS, read at import: a count, 'off' (never) or unset (the default); else an error
-    for text, want in [("512", 512), ("off", None), ("", mlp.SWIGLU_KERNEL_MIN_TOKENS_DEFAULT)]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", text)
-            assert mlp._swiglu_min_tokens_from_env() == want
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXGDN_SWIGLU_MIN_TOKENS", "4k")
-        with pytest.raises(ValueError, match="JAXGDN_SWIGLU_MIN_TOKENS"):
-            mlp._swiglu_min_tokens_from_env()
-    # $JAXGDN_SWIGLU_SMALL (`env_switch`, as $JAXGDN_POOL_GATES): on (the default) / off, else an error
-    for text, want in [("on", True), (" OFF", False), ("", True)]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("JAXGDN_SWIGLU_SMALL", text) if text else mp.delenv("JAXGDN_SWIGLU_SMALL", raising=False)
-            assert env_switch("JAXGDN_SWIGLU_SMALL") is want
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXGDN_SWIGLU_SMALL", "1")
-        with pytest.raises(ValueError, match="JAXGDN_SWIGLU_SMALL"):
-            env_switch("JAXGDN_SWIGLU_SMALL")
     # a DeferredNorm's rows are the normed activation the products read
     normed = DeferredNorm(x, inverse_rms(x, 1e-6))
     np.testing.assert_array_equal(np.asarray(normed.rows() @ w.T), np.asarray(normed.product(w)))
@@ -178,10 +165,10 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
 def test_folded_norms_serve_the_same_logits():
     """fold_norms: every decoder layer's (trunk and MTP) input and post-attention norm weight moves into
     the fused projections, none is left, folding twice changes nothing, and the logits are those of the
-    loaded weights, with 1/rms applied after the products and before them (POST_SCALE_MAX_TOKENS set
-    above and below this step's 18 tokens)."""
-    from jaxgdn.model import norms
+    loaded weights, with 1/rms applied after the products and before them (the policy's
+    post_scale_max_tokens above and below this step's 18 tokens)."""
     from jaxgdn.model.params import fold_norms
+    from jaxgdn.model.policy import KernelPolicy
 
     assert PARAMS.mtp is not None
     folded = fold_norms(PARAMS)
@@ -193,9 +180,8 @@ def test_folded_norms_serve_the_same_logits():
     ref = full_logits(ids)
     logits = {}
     for limit in (0, 18):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(norms, "POST_SCALE_MAX_TOKENS", limit)
-            logits[limit] = np.asarray(jax.jit(lambda p, i: forward(p, CFG, i))(folded, ids)[0])  # a new trace
+        policy = KernelPolicy(post_scale_max_tokens=limit)
+        logits[limit] = np.asarray(jax.jit(lambda p, i, policy=policy: forward(p, CFG, i, policy=policy))(folded, ids)[0])
     pre, post = logits[0], logits[18]
     # the chaotic random model again (see above): fp32 rounding of the folded weights shows up at ~1e-5
     for got in (post, pre):

@@ -14,11 +14,11 @@ from jaxgdn.engine import uniform_forward
 from jaxgdn.engine.ragged_forward import StepMeta, attention_ragged
 from jaxgdn.engine.state import PagedKV
 from jaxgdn.engine.uniform_forward import RowView, decode_attention_rows, use_decode_attention_kernel
-from jaxgdn.model import norms
 from jaxgdn.model.norms import DeferredNorm, inverse_rms
 from jaxgdn.model.params import init_random_params, serving_layout
+from jaxgdn.model.policy import KernelPolicy
 from pallas_kernels import decode_attention
-from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
+from pallas_kernels.decode_attention import DecodeAttentionLayout, decode_attention_pooled, decode_attention_supports
 
 PS = 16  # tokens per KV page
 
@@ -53,12 +53,11 @@ def attention_case(Q, dtype, seed=0, **overrides):
     return cfg, p, x, view, PagedKV(k=jnp.asarray(k_pool, dtype), v=jnp.asarray(v_pool, dtype))
 
 
-def use_form(monkeypatch, form: str):
+def layout_for(form: str, pages_per_step: int | None = None, **kw) -> DecodeAttentionLayout:
     """The kernel's program layout for the test: "head" one program per (row, query head), "grouped" one per
     (row, KV head), "split" that with each row's page tiles split over programs (flash decoding)."""
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_ROWS", None if form == "head" else 1)
-    monkeypatch.setattr(decode_attention, "GROUPED_MIN_KEYS", None)
-    monkeypatch.setattr(decode_attention, "SPLIT_TARGET_PROGRAMS", 1024 if form == "split" else 1)
+    return DecodeAttentionLayout(pages_per_step=pages_per_step, grouped_min_rows=None if form == "head" else 1,
+                                 grouped_min_keys=None, split_target_programs=1024 if form == "split" else 1, **kw)
 
 
 def flat_meta(view: RowView) -> StepMeta:
@@ -71,15 +70,15 @@ def flat_meta(view: RowView) -> StepMeta:
                     verify_path=view.verify_path, block_row=None, block_start=None)
 
 
-def run_layer(kernel: bool, cfg, p, h, view, kv):
-    """The layer on the one kernel (impl "pallas", fused_decode on) or on the ragged XLA path (impl "xla")."""
-    impl = "pallas" if kernel else "xla"
-    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, impl, fused_decode=kernel) == kernel
+def run_layer(kernel: bool, cfg, p, h, view, kv, layout: DecodeAttentionLayout = DecodeAttentionLayout()):
+    """The layer on the one kernel (the attention kernels on) or on the ragged XLA path (off)."""
+    policy = KernelPolicy(attention_kernels=kernel, decode_attention_layout=layout)
+    assert use_decode_attention_kernel(p, cfg, h.shape[1], PS, policy) == kernel
     if kernel:
-        return jax.jit(lambda h, kv: decode_attention_rows(p, cfg, h, view, kv))(h, kv)
+        return jax.jit(lambda h, kv: decode_attention_rows(p, cfg, h, view, kv, layout))(h, kv)
     R, Q = view.token_index.shape
     flat = jax.tree_util.tree_map(lambda a: a.reshape(R * Q, *a.shape[2:]), h)
-    out, pools = jax.jit(lambda h, kv: attention_ragged(p, cfg, h, flat_meta(view), kv, impl))(flat, kv)
+    out, pools = jax.jit(lambda h, kv: attention_ragged(p, cfg, h, flat_meta(view), kv, policy))(flat, kv)
     return out.reshape(R, Q, -1), pools
 
 
@@ -100,75 +99,71 @@ def assert_same_layer(got, want, view, kv, atol):
     (4, jnp.bfloat16, 1, "head"), (2, jnp.float32, 4, "head"), (1, jnp.float32, 1, "grouped"),
     (3, jnp.bfloat16, 2, "grouped"), (8, jnp.float32, 1, "grouped"), (1, jnp.float32, 1, "split"),
     (3, jnp.bfloat16, 2, "split"), (2, jnp.float32, 1, "split")])
-def test_decode_attention_kernel_equals_the_xla_chain(monkeypatch, Q, dtype, pages_per_tile, form):
+def test_decode_attention_kernel_equals_the_xla_chain(Q, dtype, pages_per_tile, form):
     """Decode (one cell) and verify windows, GQA (two query heads per KV head), partial RoPE, fp32 and bf16
     activations from a plain (pre-normed) input; page-loop tiles of one, two and four pages; one program per
     query head, or per KV head with the group's heads on matrix products (grouped: 2 heads x Q tokens as
     16 matrix rows, duplicates included, or exactly 16 at Q = 8), or that with each row's 8 pages split over
     2 or 4 programs (split: tiles of two pages or one; rows of 0, 5, 37 and 70 keys leave some splits without keys)."""
-    monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
-    use_form(monkeypatch, form)
     cfg, p, x, view, kv = attention_case(Q, dtype, seed=Q)
     want = run_layer(False, cfg, p, x, view, kv)
-    got = run_layer(True, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv, layout_for(form, pages_per_tile))
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
 @pytest.mark.parametrize("dtype, form", [(jnp.float32, "head"), (jnp.bfloat16, "head"), (jnp.bfloat16, "grouped"),
                                          (jnp.bfloat16, "split")])
-def test_decode_attention_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype, form):
-    """With a DeferredNorm input of one token per product (post-scaled: the kernel gets the fp32 product and
-    the 1/rms) the kernel equals the chain, which scales and rounds the product first (the split form's
-    gate, merged in XLA, included)."""
-    monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
-    use_form(monkeypatch, form)
+def test_decode_attention_kernel_applies_the_folded_norms_row_scale(dtype, form):
+    """With a post-scaled DeferredNorm input (the kernel gets the fp32 product and the 1/rms) the kernel
+    equals the chain, which scales and rounds the product first (the split form's gate, merged in XLA,
+    included)."""
     cfg, p, x, view, kv = attention_case(2, dtype, seed=7)
-    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
+    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps), post_scale=True)
     want = run_layer(False, cfg, p, h, view, kv)
-    got = run_layer(True, cfg, p, h, view, kv)
+    got = run_layer(True, cfg, p, h, view, kv, layout_for(form))
     assert_same_layer(got, want, view, kv, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
 @pytest.mark.parametrize("form", ["head", "grouped", "split"])
-def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(monkeypatch, form):
+def test_decode_attention_kernel_with_whole_rotary_heads_and_one_kv_head(form):
     """RoPE over the whole head (no pass-through part) and all query heads on one KV head."""
-    use_form(monkeypatch, form)
     cfg, p, x, view, kv = attention_case(2, jnp.float32, seed=3, partial_rotary_factor=1.0, num_key_value_heads=1)
     want = run_layer(False, cfg, p, x, view, kv)
-    got = run_layer(True, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv, layout_for(form))
     assert_same_layer(got, want, view, kv, 2e-5)
 
 
 def test_decode_attention_kernel_runs_where_its_tiles_and_weights_allow():
     cfg, p, *_ = attention_case(1, jnp.float32)
-    Qmax = uniform_forward.DECODE_ATTENTION_MAX_QUERIES
-    assert use_decode_attention_kernel(p, cfg, Qmax, PS, "pallas")
-    assert not use_decode_attention_kernel(p, cfg, Qmax + 1, PS, "pallas")  # wider rows: the ragged form
-    assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, "pallas")
-    assert not use_decode_attention_kernel(p, cfg, 1, PS, "xla")  # on CPU only when asked for
-    assert not use_decode_attention_kernel(p, cfg, 1, PS, "pallas", fused_decode=False)  # switched off
+    on = KernelPolicy(attention_kernels=True)
+    Qmax = on.decode_attention_max_queries
+    assert use_decode_attention_kernel(p, cfg, Qmax, PS, on)
+    assert not use_decode_attention_kernel(p, cfg, Qmax + 1, PS, on)  # wider rows: the ragged form
+    assert not use_decode_attention_kernel(dataclasses.replace(p, fused=None), cfg, 1, PS, on)
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, KernelPolicy())  # the attention kernels off
+    assert not use_decode_attention_kernel(p, cfg, 1, PS, on.replace(fused_decode=False))  # switched off
     assert decode_attention_supports(256, 16, 64) and not decode_attention_supports(96, 16, 24)
     assert not decode_attention_supports(256, 12, 64) and not decode_attention_supports(256, 16, 63)
 
 
 def test_layout_rule_and_split_counts():
-    """The grouped form for many rows or long tables; splits that fill the grid toward SPLIT_TARGET_PROGRAMS,
-    never leave a split without tiles and, when splitting, give each at least SPLIT_MIN_TILES tiles."""
-    assert not decode_attention.uses_grouped_form(8, 128)  # a few short rows: one program per query head
-    assert decode_attention.uses_grouped_form(decode_attention.GROUPED_MIN_ROWS, 16)
-    assert decode_attention.uses_grouped_form(1, decode_attention.GROUPED_MIN_KEYS)
-    target, least = decode_attention.SPLIT_TARGET_PROGRAMS, decode_attention.SPLIT_MIN_TILES
+    """The grouped form for many rows or long tables; splits that fill the grid toward split_target_programs,
+    never leave a split without tiles and, when splitting, give each at least split_min_tiles tiles."""
+    layout = DecodeAttentionLayout()
+    assert not layout.grouped(8, 128)  # a few short rows: one program per query head
+    assert layout.grouped(layout.grouped_min_rows, 16) and layout.grouped(1, layout.grouped_min_keys)
+    target, least = layout.split_target_programs, layout.split_min_tiles
     for programs in (1, 2, 7, 16, 64, 128, 256, 512):
         for tiles in (1, 2, 3, 4, 7, 33, 64, 129, 1024):
-            splits = decode_attention.split_count(programs, tiles)
+            splits = layout.split_count(programs, tiles)
             per_split = -(-tiles // splits)
             assert splits >= 1 and (splits - 1) * per_split < tiles  # every split has tiles
             assert programs * splits <= max(target, programs)
             if splits > 1:
                 assert per_split >= least
     # batch 1 (2 KV heads) over 64 tiles: 32 splits of 2; 33 tiles: 11 of 3 (16 of 3 would leave 5 empty)
-    assert decode_attention.split_count(2, 64) == 32 and decode_attention.split_count(2, 33) == 11
-    assert decode_attention.split_count(128, 4) == 2 and decode_attention.split_count(256, 64) == 1
+    assert layout.split_count(2, 64) == 32 and layout.split_count(2, 33) == 11
+    assert layout.split_count(128, 4) == 2 and layout.split_count(256, 64) == 1
 
 
 @pytest.mark.parametrize("grouped, splits", [(False, None), (True, 1), (True, 2)])
@@ -189,13 +184,12 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped, splits)
 
 
 @pytest.mark.parametrize("fused, form", [(True, "head"), (True, "split"), (False, None)])
-def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
-    """EngineConfig.fused_decode_kernels picks the one-kernel forms (GDN mixer, decode attention) or the chains
-    for the MTP verify launches of uniform programs (two steps a launch; kernels in interpret mode: the pool
-    path and the Pallas attention asked for; the decode attention one program per query head, or grouped with
-    each row's pages split over programs); either way every request equals one-request greedy decoding."""
+def test_engine_fused_decode_kernels_switch(fused, form):
+    """KernelPolicy.fused_decode picks the one-kernel forms (GDN mixer, decode attention) or the chains for the
+    MTP verify launches of uniform programs (two steps a launch; kernels in interpret mode; the mixer from one
+    row; the decode attention one program per query head, or grouped with each row's pages split over
+    programs of one-page tiles); either way every request equals one-request greedy decoding."""
     from helpers import naive_greedy
-
     from jaxgdn.engine import runner
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.llm_engine import LLMEngine
@@ -209,31 +203,26 @@ def test_engine_fused_decode_kernels_switch(monkeypatch, fused, form):
             return fn(*args, **kwargs)
         return wrapper
 
-    # traces cached by earlier tests would skip the counters: start from empty caches of the two jits
-    uniform_forward._uniform_layer.clear_cache()
-    runner._jitted_step.cache_clear()
-    monkeypatch.setattr(uniform_forward, "gdn_mixer_pooled", counted("mixer", uniform_forward.gdn_mixer_pooled))
-    monkeypatch.setattr(uniform_forward, "decode_attention_pooled",
-                        counted("attention", uniform_forward.decode_attention_pooled))
-    monkeypatch.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
-    use_form(monkeypatch, form or "head")
-    # three requests: steps of 1-3 rows, which run the GDN chain by default (MIXER_MIN_ROWS); the mixer from one row
-    monkeypatch.setattr(uniform_forward, "MIXER_MIN_ROWS", 1)
-    if form == "split":  # rows of at most 4 pages: one-page tiles, a split for each
-        monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
-        monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)  # dv a power of two: the pool kernels' tiles
     params = init_random_params(cfg, seed=5)
     rng = np.random.default_rng(9)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (2, 9, 21)]
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=PS,
-                        dtype="float32", num_speculative_tokens=2, gdn_impl="pallas_pool", attention_impl="pallas",
+                        dtype="float32", num_speculative_tokens=2, gdn_impl="pallas", attention_impl="pallas",
                         fused_decode_kernels=fused, compilation_cache=False, decode_steps_per_launch=2)
-    eng = LLMEngine(params, cfg, ecfg)
-    sp = SamplingParams(temperature=0, max_tokens=5)
-    rids = [eng.add_request(p, sp) for p in prompts]
-    while eng.has_unfinished:
-        eng.step()
+    layout = layout_for(form or "head", 1, split_min_tiles=1) if form == "split" else layout_for(form or "head")
+    policy = ecfg.kernel_policy("cpu").replace(mixer_rows=(1, 16), decode_attention_layout=layout)
+    with pytest.MonkeyPatch.context() as m:  # counters around the kernels, traced afresh
+        runner._jitted_step.cache_clear()
+        uniform_forward._uniform_layer.clear_cache()
+        m.setattr(uniform_forward, "gdn_mixer_pooled", counted("mixer", uniform_forward.gdn_mixer_pooled))
+        m.setattr(uniform_forward, "decode_attention_pooled", counted("attention", uniform_forward.decode_attention_pooled))
+        m.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
+        eng = LLMEngine(params, cfg, ecfg, policy=policy)
+        sp = SamplingParams(temperature=0, max_tokens=5)
+        rids = [eng.add_request(p, sp) for p in prompts]
+        while eng.has_unfinished:
+            eng.step()
     for rid, p in zip(rids, prompts):
         assert eng.requests[rid].output_token_ids == naive_greedy(params, cfg, p, 5)
     if fused:

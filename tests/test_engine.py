@@ -304,8 +304,8 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     args = (eng.runner.params, eng.runner.state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf), layout, False)
 
     def lowered_and_compiled():
-        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, gdn_impl="auto", attention_impl="xla",
-                                         input_impl="xla", unguarded=False), static_argnums=(4, 5))
+        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, policy=eng.policy, unguarded=False),
+                       static_argnums=(4, 5))
         lowered = step.lower(*args)
         return lowered.as_text(), lowered.compile().as_text()
 

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from helpers import small_config
 
-from jaxgdn.engine import uniform_forward
 from jaxgdn.engine.state import GDNSlots
 from jaxgdn.engine.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
-from jaxgdn.model import norms
 from jaxgdn.model.norms import DeferredNorm, inverse_rms
 from jaxgdn.model.params import init_random_params, serving_layout
+from jaxgdn.model.policy import KernelPolicy
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
 
 
@@ -43,8 +42,9 @@ def mixer_case(T, K, dtype, seed=0, Hk=2, Hv=4, dk=16, dv=32):
 
 def run_rows(mixer: bool, cfg, p, h, view, slots, num_accepted):
     """The pool path's rows on the one mixer kernel (fused_decode on) or on the unfused chain."""
-    assert use_mixer_kernel(p, cfg, h.shape[0], fused_decode=mixer) == mixer
-    fn = jax.jit(lambda h, slots: gdn_rows_pooled(p, cfg, h, view, slots, num_accepted, fused_decode=mixer))
+    policy = KernelPolicy(gdn_kernels=True, fused_decode=mixer)
+    assert use_mixer_kernel(p, cfg, h.shape[0], policy) == mixer
+    fn = jax.jit(lambda h, slots: gdn_rows_pooled(p, cfg, h, view, slots, num_accepted, policy))
     return fn(h, slots)
 
 
@@ -71,12 +71,11 @@ def test_mixer_kernel_equals_the_unfused_chain(T, K, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_mixer_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
-    """With a DeferredNorm input of one token per product (post-scaled: the kernel gets the fp32 product and
-    the 1/rms) the kernel equals the unfused chain, which scales and rounds the product first."""
-    monkeypatch.setattr(norms, "POST_SCALE_MAX_TOKENS", 10**6)
+def test_mixer_kernel_applies_the_folded_norms_row_scale(dtype):
+    """With a post-scaled DeferredNorm input (the kernel gets the fp32 product and the 1/rms) the kernel equals
+    the unfused chain, which scales and rounds the product first."""
     cfg, p, x, view, slots, num_accepted = mixer_case(2, 1, dtype, seed=11)
-    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps))
+    h = DeferredNorm(x, inverse_rms(x, cfg.rms_norm_eps), post_scale=True)
     want = run_rows(False, cfg, p, h, view, slots, num_accepted)
     got = run_rows(True, cfg, p, h, view, slots, num_accepted)
     assert_same_rows(got, want, view, 2e-2 if dtype == jnp.bfloat16 else 2e-5)
@@ -84,12 +83,13 @@ def test_mixer_kernel_applies_the_folded_norms_row_scale(monkeypatch, dtype):
 
 def test_mixer_kernel_runs_where_its_tiles_and_weights_allow():
     cfg, p, *_ = mixer_case(1, 0, jnp.float32)
-    lo, hi = uniform_forward.MIXER_MIN_ROWS, uniform_forward.MIXER_MAX_ROWS
-    assert use_mixer_kernel(p, cfg, lo) and use_mixer_kernel(p, cfg, hi)
-    assert not use_mixer_kernel(p, cfg, hi + 1)  # larger steps: the chain's kernels
-    assert not use_mixer_kernel(p, cfg, lo - 1)  # smaller steps: the chain's kernels too (r42)
-    assert not use_mixer_kernel(dataclasses.replace(p, fused=None), cfg, lo)  # b and a must sit in the product
-    assert not use_mixer_kernel(p, cfg, lo, fused_decode=False)  # switched off
+    policy = KernelPolicy(gdn_kernels=True)
+    lo, hi = policy.mixer_rows
+    assert use_mixer_kernel(p, cfg, lo, policy) and use_mixer_kernel(p, cfg, hi, policy)
+    assert not use_mixer_kernel(p, cfg, hi + 1, policy)  # larger steps: the chain's kernels
+    assert not use_mixer_kernel(p, cfg, lo - 1, policy)  # smaller steps: the chain's kernels too
+    assert not use_mixer_kernel(dataclasses.replace(p, fused=None), cfg, lo, policy)  # b and a in the product
+    assert not use_mixer_kernel(p, cfg, lo, policy.replace(fused_decode=False))  # switched off
     assert mixer_kernel_supports(128, 128) and not mixer_kernel_supports(24, 32)
     assert not mixer_kernel_supports(128, 256)  # the whole state tile lives in one program's registers
 

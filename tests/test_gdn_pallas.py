@@ -45,16 +45,12 @@ def test_chunked_kernel_equals_scan(T):
     assert max_err(o1[0], o[1]) <= 1e-6 and max_err(s1[0], s[1]) <= 1e-6
 
 
-@pytest.mark.parametrize("block_v, block_v_out, warps, fused", [
-    (None, None, (2, 4, 4), True), (32, 128, (2, 8, 4), False), (128, 32, (8, 2, 8), False),
-    (128, None, (2, 4, 8), True)])
-def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, block_v_out, warps, fused):
-    """dv = 128 as in the 0.8B: the scan (with the output in it, or apart) and output kernels split it into
-    other tiles (the probe's settings)."""
+@pytest.mark.parametrize("block_v, warps", [(None, (2, 4, 4)), (32, (2, 8, 4)), (128, (8, 2, 8))])
+def test_chunked_kernel_tiles_of_a_128_wide_head_equal_scan(block_v, warps):
+    """dv = 128 as in the 0.8B: the scan splits it into other tiles, on other warp counts."""
     q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=1, Hv=2, dk=32, dv=128, seed=7)
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
-    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, block_v_out=block_v_out, warps=warps,
-                              fuse_output=fused)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=block_v, warps=warps)
     assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
@@ -78,60 +74,31 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
     assert max_err(s_fused, s) == 0.0
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_output_in_the_scan_equals_the_three_kernel_form(prefetch):
-    """fuse_output=True (the fused `_scan_kernel`: the output's products in the scan's loop, their
-    state-independent parts from `_output_parts_kernel`): plain o against the reference (partial last chunk,
-    GVA, dv 24 padded); the gated norm from a wider array and the in-place gates against the three-kernel
-    form; bf16 within the rounding of its products; strong decay finite. prefetch: the scan's per-chunk
-    scalars loaded a chunk ahead (both scan kernels)."""
+def test_output_in_the_scan_equals_the_reference():
+    """The output's products in the scan's loop (their state-independent parts from `_output_parts_kernel`):
+    against the reference with a partial last chunk, GVA and dv 24 padded; finite under strong decay."""
     q, k, v, g, beta, s0 = random_inputs(T=130, seed=230)
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
-    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, fuse_output=True, prefetch=prefetch)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
     assert max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
-
-    B, T, Hv, dv = 2, 70, 2, 32
-    q, k, v, _, _, s0 = random_inputs(B=B, T=T, Hk=1, Hv=Hv, dk=16, dv=dv, seed=31)
-    z = jax.random.normal(jax.random.PRNGKey(32), (B, T, Hv * dv))
-    weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(33), (dv,))
-    key = jax.random.PRNGKey(34)
-    b_raw, a_raw, before = (jax.random.normal(jax.random.fold_in(key, i), (B, T, n)) for i, n in enumerate((Hv, Hv, 8)))
-    source = jnp.concatenate([before, b_raw, a_raw, z], axis=-1)
-    gates = GateSource(source, 8, jnp.log(jnp.array([0.5, 4.0])), jnp.array([0.3, -1.0]), jnp.array([T, 41]))
-    gate = OutputGate(source, weight, 1e-6, z_offset=8 + 2 * Hv)
-    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
-        args = [x.astype(dtype) for x in (q, k, v)] + [None, None, s0]
-        want, want_s = gdn_chunked_pallas(*args, gates=gates._replace(source=source.astype(dtype)),
-                                          gate=gate._replace(z=source.astype(dtype)), fuse_output=False,
-                                          prefetch=prefetch)
-        got, got_s = gdn_chunked_pallas(*args, gates=gates._replace(source=source.astype(dtype)),
-                                        gate=gate._replace(z=source.astype(dtype)), fuse_output=True, prefetch=prefetch)
-        assert got.dtype == want.dtype == dtype and got.shape == want.shape == (B, T, Hv, dv)
-        scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
-        assert max_err(got, want) <= tol * scale, dtype
-        assert max_err(got_s, want_s) <= tol * max(1.0, float(jnp.abs(want_s).max())), dtype
-
     q, k, v, g, beta, s0 = random_inputs(T=128, decay=(5.0, 30.0), seed=3)
-    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0, fuse_output=True, prefetch=prefetch)
+    o, s = gdn_chunked_pallas(q, k, v, g, beta, s0)
     o_ref, s_ref = gdn_recurrent_reference(q, k, v, g, beta, s0)
     assert bool(jnp.isfinite(o).all()) and max_err(o, o_ref) <= 1e-5 and max_err(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("fuse_output", [True, False])
-def test_fused_norm_reads_the_gates_in_place_from_a_wider_array(fuse_output):
+def test_fused_norm_reads_the_gates_in_place_from_a_wider_array():
     """OutputGate(z_source, weight, eps, z_offset): value head h's gate at columns z_offset + h * dv of a
     [B, T, C] array (the fused projection's product, which the layer passes without slicing) gives the
-    same output as the [B, T, Hv, dv] gates. T = 64 needs no padding, so the kernel reads the wide array
-    itself; a padded T takes a padded copy of the gates (the layer test below, T = 40)."""
+    same output as the [B, T, Hv, dv] gates."""
     T = 64
     q, k, v, g, beta, s0 = random_inputs(B=2, T=T, Hk=1, Hv=2, dk=16, dv=32, seed=2)
     z = jax.random.normal(jax.random.PRNGKey(7), v.shape)
     weight = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (32,))
     before, after = (jax.random.normal(jax.random.PRNGKey(s), (2, T, n)) for s, n in ((9, 40), (10, 8)))
     source = jnp.concatenate([before, z.reshape(2, T, -1), after], axis=-1)
-    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(z, weight, 1e-6), fuse_output=fuse_output)
-    got, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(source, weight, 1e-6, z_offset=40),
-                                fuse_output=fuse_output)
+    want, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(z, weight, 1e-6))
+    got, _ = gdn_chunked_pallas(q, k, v, g, beta, s0, gate=OutputGate(source, weight, 1e-6, z_offset=40))
     assert max_err(got, want) == 0.0
 
 
@@ -278,21 +245,19 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
 
 
 def test_scan_pipeline_depth_fits_the_shared_memory():
-    """fp32 inputs at dk = 128: the fused scan's 3-stage pipeline asked 240 KiB of the H200's 227 KiB and did
-    not compile (r36); the depth is lowered to 2 there, kept for bf16 and for the unfused scan, and the
-    lowered call carries it."""
+    """fp32 inputs at dk = 128: the scan's 3-stage pipeline would ask 240 KiB of the H200's 227 KiB and not
+    compile; the depth is lowered to 2 there, kept for bf16, and the lowered call carries it."""
     from pallas_kernels.gdn_pallas import SCAN_SHARED_MEMORY_BUDGET, scan_pipeline_depth
 
-    assert scan_pipeline_depth(3, 128, 16, 4, fused=True) == 2
-    assert scan_pipeline_depth(3, 128, 16, 2, fused=True) == 3
-    assert scan_pipeline_depth(3, 128, 16, 4, fused=False) == 3
-    assert scan_pipeline_depth(2, 128, 64, 2, fused=True) == 2
-    assert scan_pipeline_depth(3, 1024, 128, 4, fused=True) == 1  # nothing fits: no pipelining
+    assert scan_pipeline_depth(3, 128, 16, 4) == 2
+    assert scan_pipeline_depth(3, 128, 16, 2) == 3
+    assert scan_pipeline_depth(2, 128, 64, 2) == 2
+    assert scan_pipeline_depth(3, 1024, 128, 4) == 1  # nothing fits: no pipelining
     for stages in (1, 2, 3):  # whatever it returns fits, or is the unpipelined loop
-        for dk, bv, size, fused in [(128, 16, 4, True), (256, 64, 4, True), (128, 128, 2, False)]:
-            d = scan_pipeline_depth(stages, dk, bv, size, fused)
+        for dk, bv, size in [(128, 16, 4), (256, 64, 4), (128, 128, 2)]:
+            d = scan_pipeline_depth(stages, dk, bv, size)
             assert 1 <= d <= stages
-            assert d == 1 or (d - 1) * 64 * (2 * dk + bv + ((dk + 64) if fused else 0)) * size <= SCAN_SHARED_MEMORY_BUDGET
+            assert d == 1 or (d - 1) * 64 * (3 * dk + bv + 64) * size <= SCAN_SHARED_MEMORY_BUDGET
     q, k, v, g, beta, s0 = random_inputs(B=1, T=70, Hk=2, Hv=4, dk=128, dv=128)
 
     def scan_stages(dtype):
@@ -368,24 +333,22 @@ def test_pooled_kernel_reads_the_start_checkpoint_and_writes_in_place(T, options
 
 
 def test_engine_with_pool_kernel_equals_plain_greedy():
-    """PD + MTP K=2 with the Pallas path (interpret mode): decode and verify rows run the in-place pool
-    kernel, prefill chunks the XLA chunked form (auto on CPU); every request equals one-request greedy decoding."""
+    """PD + MTP K=2 on the ragged GDN kernels (interpret mode): short rows (decode, verify windows, prompt
+    tails, short chunks) on the token loop over the pool, the longer prompt chunks on the chunked form;
+    every request equals one-request greedy decoding."""
     from helpers import naive_greedy, small_config
 
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.request import SamplingParams
     from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
     from jaxgdn.model.params import init_random_params
-    from pallas_kernels.gdn import use_pooled_recurrent
 
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
-    assert use_pooled_recurrent("pallas_pool", 3, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    assert not use_pooled_recurrent("auto", 3, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     params = init_random_params(cfg, seed=7)
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (1, 2, 5, 9, 23)]
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=4,
-                        dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl="pallas_pool")
+                        dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl="pallas")
     P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
     D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # garbage in the slots: fresh rows must ignore it
     sp = SamplingParams(temperature=0, max_tokens=5)

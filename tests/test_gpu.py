@@ -16,22 +16,11 @@ from jaxgdn.model.params import init_random_params
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
 
-@pytest.mark.parametrize("input_impl, dv, gdn_impl, attention_form", [
-    ("triton", 24, "auto", None), ("pallas", 24, "auto", None), ("pallas", 32, "auto", None),
-    ("pallas", 32, "pallas", None), ("pallas", 32, "auto", "split")])
-def test_pd_mtp_engine_on_gpu_equals_plain_greedy(monkeypatch, input_impl, dv, gdn_impl, attention_form):
-    """auto with dv 32: the ragged GDN kernels (short rows on the pool in place, long rows chunked); auto with
-    dv 24 (not a tile, so the pool cannot be read in place): the XLA recurrence; pallas: the kernels by name.
-    attention_form "split": the decode attention kernel's grouped form with each row's pages split over
-    programs (PD runs one step a launch: ragged programs only, so this checks that nothing breaks)."""
-    if attention_form == "split":
-        from test_decode_attention import use_form
-
-        from pallas_kernels import decode_attention
-
-        use_form(monkeypatch, "split")
-        monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", 1)
-        monkeypatch.setattr(decode_attention, "SPLIT_MIN_TILES", 1)
+@pytest.mark.parametrize("input_impl, dv, gdn_impl", [("triton", 24, "auto"), ("pallas", 24, "auto"), ("pallas", 32, "auto"),
+                                                     ("pallas", 32, "xla")])
+def test_pd_mtp_engine_on_gpu_equals_plain_greedy(input_impl, dv, gdn_impl):
+    """auto with dv 32: the ragged GDN kernels (short rows on the pool in place, long rows chunked); dv 24 (not
+    a tile, so the pool cannot be read in place) and xla: the XLA recurrence; the attention kernels either way."""
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=dv)
     params = init_random_params(cfg, seed=2)
     rng = np.random.default_rng(0)
@@ -73,8 +62,7 @@ def test_pd_across_two_devices():
 def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls), and the
     chunked kernel on bf16 inputs (bf16 tensor cores, the solve's block combination on TF32) against the
-    reference on the same rounded inputs; the chunked kernel with the output in its scan (the default) and
-    as three kernels (fuse_output=False)."""
+    reference on the same rounded inputs, with and without the gated norm."""
     import jax.numpy as jnp
     from test_gdn_core import random_inputs
 
@@ -93,17 +81,12 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     with jax.default_matmul_precision("highest"):
         o_bf_ref, s_bf_ref = jax.jit(gdn_recurrent_checkpoints)(*(x.astype(jnp.float32) for x in bf), g, beta, s0)[:2]
-    for fused in (True, False):  # the output's products in the scan (the default), or the output kernel
-        o_bf, s_bf = jax.jit(functools.partial(gdn_chunked_pallas, fuse_output=fused))(*bf, g, beta, s0)
-        assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2, fused
-    o_3, s_3 = jax.jit(functools.partial(gdn_chunked_pallas, fuse_output=False))(q, k, v, g, beta, s0)
-    assert err(o_3, o_ref) <= 1e-4 and err(s_3, s_ref) <= 1e-4  # the three-kernel form
+    o_bf, s_bf = jax.jit(gdn_chunked_pallas)(*bf, g, beta, s0)
+    assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2
     z = jax.random.normal(jax.random.PRNGKey(T), o.shape)
     want = gated_rms_norm(o, z, jnp.ones(dv), 1e-6, jnp.float32)
-    for fused in (True, False):  # the gated norm in XLA after the fused scan, or in the output kernel
-        got, _ = jax.jit(lambda *a, fused=fused: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6),
-                                                                    fuse_output=fused))(q, k, v, g, beta, s0)
-        assert err(got, want) <= 1e-4, fused
+    got, _ = jax.jit(lambda *a: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6)))(q, k, v, g, beta, s0)
+    assert err(got, want) <= 1e-4
     o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
     assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
 
@@ -149,23 +132,19 @@ def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T
     (2, "float32", None, "head"), (1, "bfloat16", 1, "grouped"), (4, "bfloat16", 2, "grouped"),
     (2, "float32", None, "grouped"), (1, "bfloat16", 1, "split"), (4, "bfloat16", 2, "split"),
     (2, "float32", None, "split")])
-def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(monkeypatch, Q, dtype,
-                                                                                   pages_per_tile, form):
+def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(Q, dtype, pages_per_tile, form):
     """The one-kernel decode attention compiled at the 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over
-    64) against the compiled XLA chain, on tiles of one and two pages (the rule picks either by grid size;
-    None: the rule's pick), one program per query head or per KV head (grouped), or that with each row's page
-    tiles split over programs (split); test_decode_attention.py runs the smaller cases interpreted on CPU."""
+    64) against the compiled XLA path, on tiles of one and two pages (None: the layout rule's pick), one program
+    per query head or per KV head (grouped), or that with each row's page tiles split over programs (split);
+    test_decode_attention.py runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
-    from test_decode_attention import assert_same_layer, attention_case, run_layer, use_form
 
-    from pallas_kernels import decode_attention
+    from test_decode_attention import assert_same_layer, attention_case, layout_for, run_layer
 
-    monkeypatch.setattr(decode_attention, "PAGES_PER_STEP", pages_per_tile)
-    use_form(monkeypatch, form)
     dt = jnp.dtype(dtype)
     cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
     want = run_layer(False, cfg, p, x, view, kv)
-    got = run_layer(True, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv, layout_for(form, pages_per_tile))
     assert_same_layer(got, want, view, kv, 3e-2 if dt == jnp.bfloat16 else 1e-4)
 
 
@@ -292,12 +271,9 @@ def serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling):
 @pytest.mark.parametrize("steps, scheduling", [(1, False), (None, None)])
 def test_sampled_mtp_tokens_on_gpu_lie_in_the_sampling_support(steps, scheduling):
     """Every token a sampled MTP row emits (an accepted draft, a residual draw or the bonus token) lies in
-    the top_k / top_p support of the reference distribution at its position, however the noise fell.
-    (2026-12-01 r16: on the H200 sampled verify rows emitted the never-trained pad token 0 at one
-    synchronous verify step per launch and at the default, while the same engine on the CPU, its Pallas
-    kernels interpreted, did not: bench/results/engine-sampling-probe_gpu_20261201.txt. Cause: Triton GEMM
-    fusions recomputed the logits for the sort and the mask with different bits; fixed by
-    sampling.PIN_SCALED_LOGITS, after which this test passed there: engine-sampling-pinned_gpu_20261201.txt.)"""
+    the top_k / top_p support of the reference distribution at its position, however the noise fell. (The
+    H200 once emitted the never-trained pad token 0 here while the CPU did not: Triton GEMM fusions
+    recomputed the logits for the sort and the mask with different bits; the sampler pins them.)"""
     params, cfg, prompts = shipped_model()
     sps = [SamplingParams(temperature=0.9, top_p=0.8, seed=3 + i, max_tokens=25) for i in range(3)] + [
         SamplingParams(temperature=1.1, top_k=5, seed=7 + i, max_tokens=25) for i in range(3)]
@@ -417,42 +393,38 @@ def test_swiglu_kernel_compiled_equals_the_rounded_products_silu(form, m, k, wid
 
 
 @pytest.mark.parametrize("form", ["large", "small"])
-def test_model_runs_the_swiglu_kernel_compiled(monkeypatch, form):
-    """With SWIGLU_KERNEL_MIN_TOKENS lowered, a bf16 prompt of 512 tokens through the serving layout runs every
-    MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program; "small": 64 tokens,
-    the decode-sized form, SWIGLU_SMALL_KERNEL off for the XLA run), and its logits are
-    as close to the fp32 forward of the same weights as the XLA form's are (RMS error within 1.25x), their
-    argmax that of the XLA form almost everywhere. Measured against fp32, not against the XLA form: the two bf16
-    forms differ by one SiLU rounding, which 4 layers of random weights carry to a max logit difference of
-    ~0.4 against a scale of 5 (r37's failure of the former max-difference check), while their RMS errors
-    against fp32 are 0.041 (XLA) and 0.040 (kernel) and a kernel with gate and up swapped is ~1.0 (the kernel's
-    rounding emulated on the CPU)."""
+def test_model_runs_the_swiglu_kernel_compiled(form):
+    """With the policy's swiglu threshold lowered, a bf16 prompt of 512 tokens through the serving layout runs
+    every MLP's gate/up product in the Mosaic GPU kernel (its custom call in the lowered program; "small": 64
+    tokens, the decode-sized form), and its logits are as close to the fp32 forward of the same weights as the
+    XLA form's are (RMS error within 1.25x), their argmax that of the XLA form almost everywhere. Measured
+    against fp32, not against the XLA form: the two bf16 forms differ by one SiLU rounding, which 4 layers of
+    random weights carry to a max logit difference of ~0.4 against a scale of 5, while their RMS errors against
+    fp32 are 0.041 (XLA) and 0.040 (kernel) and a kernel with gate and up swapped is ~1.0."""
     import jax.numpy as jnp
 
     from jaxgdn.model import forward as model
-    from jaxgdn.model import mlp
     from jaxgdn.model.params import cast_params, fold_norms
+    from jaxgdn.model.policy import KernelPolicy
 
     cfg = small_config(hidden_size=128, intermediate_size=256)
     bf16_params = init_random_params(cfg, seed=9, dtype=jnp.bfloat16)
     params = fold_norms(bf16_params)
     tokens = 512 if form == "large" else 64
     ids = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (1, tokens)), jnp.int32)
-    monkeypatch.setattr(mlp, "SWIGLU_SMALL_KERNEL", False)
-    run = jax.jit(lambda p, i: model.forward(p, cfg, i)[0])
+    xla = KernelPolicy(swiglu_min_tokens=None, swiglu_small=False)
+    kernel = KernelPolicy(swiglu_min_tokens=256) if form == "large" else KernelPolicy(swiglu_min_tokens=None)
+
+    def runner(policy):
+        return jax.jit(lambda p, i: model.forward(p, cfg, i, policy=policy)[0])
 
     with jax.default_matmul_precision("highest"):  # not TF32: the reference must be well under bf16's noise
-        fp32_logits = np.asarray(run(fold_norms(cast_params(cfg, bf16_params, jnp.float32)), ids))
-    xla_logits = np.asarray(run(params, ids).astype(jnp.float32))
-    assert "mosaic" not in run.lower(params, ids).as_text().lower()
-    if form == "large":
-        monkeypatch.setattr(mlp, "SWIGLU_KERNEL_MIN_TOKENS", 256)
-    else:
-        monkeypatch.setattr(mlp, "SWIGLU_SMALL_KERNEL", True)
-    run = jax.jit(lambda p, i: model.forward(p, cfg, i)[0])
-    text = run.lower(params, ids).as_text().lower()
+        fp32_logits = np.asarray(runner(xla)(fold_norms(cast_params(cfg, bf16_params, jnp.float32)), ids))
+    xla_logits = np.asarray(runner(xla)(params, ids).astype(jnp.float32))
+    assert "mosaic" not in runner(xla).lower(params, ids).as_text().lower()
+    text = runner(kernel).lower(params, ids).as_text().lower()
     assert text.count("mosaic_gpu") >= cfg.num_hidden_layers, text.count("mosaic_gpu")
-    kernel_logits = np.asarray(run(params, ids).astype(jnp.float32))
+    kernel_logits = np.asarray(runner(kernel)(params, ids).astype(jnp.float32))
 
     def rms_error(logits):
         return float(np.sqrt(np.mean((logits - fp32_logits) ** 2)))

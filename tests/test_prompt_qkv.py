@@ -10,6 +10,7 @@ from helpers import real_width_config, small_config
 from jaxgdn.engine.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
 from jaxgdn.model.attention import project_qkv_gate
 from jaxgdn.model.params import init_random_params, serving_layout
+from jaxgdn.model.policy import KernelPolicy
 from pallas_kernels.common import on_gpu
 from pallas_kernels.prompt_qkv import _pieces, prompt_qkv_supports
 
@@ -33,9 +34,10 @@ def test_kernel_matches_the_xla_chain(config, R, Q, dtype):
     64 rotated, 8 query and 2 KV heads): q, k, v and the gate as the XLA chain makes them, rounded alike."""
     cfg = small_config() if config == "small" else real_width_config()
     p, h, positions = qkv_case(cfg, R, Q, dtype)
-    assert use_prompt_qkv_kernel(p, cfg, "pallas") and use_prompt_qkv_kernel(p, cfg, "auto") == on_gpu()
+    on = KernelPolicy(attention_kernels=True)
+    assert use_prompt_qkv_kernel(p, cfg, on) and not use_prompt_qkv_kernel(p, cfg, KernelPolicy())
     flat = lambda a: a.reshape(R * Q, *a.shape[2:])  # noqa: E731  the step's stream: rows one after another
-    got = jax.jit(lambda h: project_qkv_gate_flat(p, cfg, flat(h), flat(positions), "pallas"))(h)
+    got = jax.jit(lambda h: project_qkv_gate_flat(p, cfg, flat(h), flat(positions), on))(h)
     want = [flat(x) for x in jax.jit(lambda h: project_qkv_gate(p, cfg, h, positions))(h)]
     # bf16: the kernel rounds where the chain does, but XLA may keep a product in fp32 (excess precision)
     atol = 1e-5 if dtype == jnp.float32 else 2e-2

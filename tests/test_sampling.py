@@ -104,9 +104,9 @@ def jax_keys(R, K):
     return jax.vmap(lambda i: jax.random.key(i))(jax.numpy.arange(R * (K + 1))).reshape(R, K + 1)
 
 
-# Outputs of shipped-model prompts 2 and 3 under MTP K=2, one synchronous verify step per launch
-# (bench/probes/engine_sampling.py): on the H200 before the fix (sampling.PIN_SCALED_LOGITS off) and on the
-# CPU with the same engine and kernels interpreted (the fixed H200 run gives the CPU's tokens).
+# Outputs of shipped-model prompts 2 and 3 under MTP K=2, one synchronous verify step per launch: on the H200
+# before the sampler pinned its scaled logits and on the CPU with the same engine and kernels interpreted (the
+# fixed H200 run gives the CPU's tokens).
 TOP_P_ROW = SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25)
 TOP_K_ROW = SamplingParams(temperature=1.1, top_k=5, seed=4, max_tokens=20)
 ON_H200 = ([3, 49, 77, 69, 3, 0, 89, 93, 0, 23, 16, 3, 87, 0, 33, 21, 22, 18, 4, 45, 88, 3, 88, 86, 77],
@@ -126,24 +126,17 @@ def test_support_check_flags_the_pad_tokens_sampled_on_the_gpu_and_passes_the_cp
         assert outside_sampling_support(params, cfg, prompt, cpu, sp) == []
 
 
-def test_sampler_and_verifier_read_the_scaled_logits_from_one_pinned_buffer(monkeypatch):
-    """The fix of the H200 pad-token bug (sampling.PIN_SCALED_LOGITS): the programs that sample and
-    verify hold an optimization barrier on the scaled logits, so XLA cannot recompute them inside the
-    sort's and the mask's fusions with bits that disagree. Unpinned, the barrier is gone (the check can fail)."""
-    from jaxgdn.engine import sampling
+def test_sampler_and_verifier_read_the_scaled_logits_from_one_pinned_buffer():
+    """The fix of the H200 pad-token bug: the programs that sample and verify hold an optimization barrier on
+    the scaled logits, so XLA cannot recompute them inside the sort's and the mask's fusions with bits that
+    disagree."""
     from jaxgdn.engine.spec_decode import verify_drafts
 
     R, W, V = 2, 3, 16
     logits = jnp.zeros((R, W, V))
     params = (jnp.ones(R), jnp.zeros(R, jnp.int32), jnp.ones(R))
     keys = jax_keys(R, W - 1)
-
-    def programs():  # fresh functions: jit's trace cache is keyed by the function, not by the module flag
-        sample = jax.jit(lambda *a: sample_tokens(*a)).lower(logits[:, 0], *params, keys[:, 0]).as_text()
-        verify = jax.jit(lambda *a: verify_drafts(*a, True)).lower(
-            logits, jnp.zeros((R, W - 1), jnp.int32), jnp.full(R, W - 1), *params, keys).as_text()
-        return sample, verify
-
-    assert all("optimization_barrier" in text for text in programs())
-    monkeypatch.setattr(sampling, "PIN_SCALED_LOGITS", False)
-    assert not any("optimization_barrier" in text for text in programs())
+    sample = jax.jit(lambda *a: sample_tokens(*a)).lower(logits[:, 0], *params, keys[:, 0]).as_text()
+    verify = jax.jit(lambda *a: verify_drafts(*a, True)).lower(
+        logits, jnp.zeros((R, W - 1), jnp.int32), jnp.full(R, W - 1), *params, keys).as_text()
+    assert "optimization_barrier" in sample and "optimization_barrier" in verify

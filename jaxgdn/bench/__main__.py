@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         m = add(name, help)
         m.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
         m.add_argument("--no-peer", action="store_true", help="skip transformers")
-        m.add_argument("--gdn-impl", default="auto", help="EngineConfig.gdn_impl (auto, pallas_pool, chunked, ...)")
+        m.add_argument("--gdn-impl", default="auto", choices=["auto", "xla", "pallas"], help="EngineConfig.gdn_impl")
         m.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"], help="EngineConfig.attention_impl")
         m.add_argument("--fold-norms", default="on", choices=["on", "off"],
                        help="EngineConfig.fold_norms: RMSNorm weights folded into the projections that read them")

@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 
 import jax.numpy as jnp
 
+from ..model.policy import KernelPolicy
+
 # --async-scheduling on the command lines: its choices and the EngineConfig value each means
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
-
-
-# EngineConfig.library_gemms_min_tokens' default, also the command lines' and benchmarks' (r33: every shape of
-# >= 1024 tokens measured gained on the H200, bench/results/prefill-libgemm-*-r33_gpu_20261203.json)
-LIBRARY_GEMMS_MIN_TOKENS = 1024
+KERNEL_CHOICES = ("auto", "xla", "pallas")  # gdn_impl and attention_impl
+LIBRARY_GEMMS_MIN_TOKENS = KernelPolicy().library_gemms_min_tokens
 
 
 def min_tokens_arg(text: str) -> int | None:
@@ -27,21 +25,13 @@ def min_tokens_arg(text: str) -> int | None:
     return int(text)
 
 
-def env_switch(name: str, default: str = "on") -> bool:
-    """A process-wide on/off switch from $name ('on' or 'off', any case; unset: default), else a ValueError
-    naming the variable: the A/B switches of the kernel forms, read once at import."""
-    text = os.environ.get(name, default).strip().lower()
-    if text not in ("on", "off"):
-        raise ValueError(f"${name}: expected 'on' or 'off', got {text!r}")
-    return text == "on"
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches, caches and compiles.
 
     max_num_seqs: running requests at once (= persistent request slots; slot 0 is the null slot).
-    max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
+    max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts); the largest
+      step program's tokens.
     max_model_len: longest sequence (prompt + output) a request may reach.
     kv_page_size / num_kv_pages: the paged KV pool; num_kv_pages None = planned from gpu_memory_utilization
       where the device reports its memory (`memory.plan_memory`), else enough for every slot at max_model_len.
@@ -49,14 +39,9 @@ class EngineConfig:
       the GDN slots, the largest step program's temporaries, and the KV pages, which get what remains.
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
-    gdn_impl: GDN recurrence: "auto" (on a GPU: decode/verify rows on the in-place pool kernel, prompts
-      on the chunked Pallas kernel; the XLA chunked form elsewhere), "chunked", "scan", "pallas",
-      "pallas_recurrent", "pallas_pool" (the pool kernel also off the GPU, in interpret mode) or a
-      registered kernel.
-    attention_impl: the attention layers' kernels (trunk and MTP): "auto" (on a GPU the Pallas kernels: the
-      ragged paged attention over each row's pages in place, the KV write, the prompt q/k/v kernel and, in
-      launches of several steps, the one-kernel decode attention; the XLA forms elsewhere), "xla" (the XLA
-      forms everywhere) or "pallas" (the kernels also off the GPU, in interpret mode).
+    gdn_impl / attention_impl: the layers' kernels (`KernelPolicy`): "auto" (the Pallas kernels on a GPU, the
+      XLA forms elsewhere), "xla" (the XLA forms everywhere) or "pallas" (the kernels also off the GPU, in
+      interpret mode: for tests).
     num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
     pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
     pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
@@ -65,46 +50,29 @@ class EngineConfig:
       old spec-row rule num_computed >= num_prompt). For demonstrations and tests only.
     prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
     precompile: `LLM(...)` compiles every step program of the engine (`programs.ProgramSet`) before it serves,
-      so traffic never waits on the compiler; False compiles each program when a step first needs it (tests).
+      so traffic never waits on the compiler; False compiles each program when a step first needs it.
     compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
       cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
-      Programs that compiled in >= $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5) are kept.
     async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
       the device (vLLM's async scheduling); same outputs. With MTP drafts a verify launch is booked as if
       every draft were accepted and the next launch starts where the device's count says
-      (EngineState.num_computed). Not with PD. None (default): on wherever it can be (not PD). On the
-      H200 it cut a 0.8B decode step from 3.26 to 1.94 ms at batch 1 (bench/results/
-      decode-r3-resident_gpu_20261130.json and decode-async_gpu_20261130.json), and a 0.8B verify step at
-      batch 32 from 3.07 / 3.50 / 4.23 ms to 2.11 / 2.69 / 3.10 ms at K = 1 / 2 / 3 (spec-r13 vs spec-r16).
+      (EngineState.num_computed). Not with PD. None (default): on wherever it can be (not PD).
     fold_norms: serve with each decoder layer's RMSNorm weights folded into the projections that read them
-      (`params.fold_norms`): a single-token step then applies each norm's 1/rms after the product and runs
-      one kernel per norm (the sum of squares) instead of two; the H200's batch-1 0.8B decode step went from
-      0.906 to 0.875-0.882 ms (bench/results/decode-fold1-*_gpu_20261202.json). Same math; the rounding
-      differs at the weight dtype's precision. False serves the loaded weights' values exactly (only
-      concatenated, `params.fuse_projections`).
-    fused_decode_kernels: decode and verify rows run the layers' one-kernel forms between their two
-      products where the GDN / attention path runs Pallas kernels (a GPU, or gdn_impl "pallas_pool" /
-      attention_impl "pallas" elsewhere): the GDN mixer kernel for steps of
-      `uniform_forward.MIXER_MIN_ROWS` to `MIXER_MAX_ROWS` rows and the decode attention kernel for rows of at most
-      `uniform_forward.DECODE_ATTENTION_MAX_QUERIES` tokens. Same math as the chains they replace (tested
-      against them); False runs those chains, e.g. to rule the kernels out when chasing a problem. On the
-      H200 a 0.8B decode step at batch 8 took 1.013 ms against 1.074 with the attention chain and 1.097
-      against 1.130 with the GDN chain (device ms, bench/results/decode-forms-*-probe_gpu_20261202.json).
+      (`params.fold_norms`), so a decode step's norms cost one kernel each instead of two. Same math; the
+      rounding differs at the weight dtype's precision. False serves the loaded weights' values exactly.
+    fused_decode_kernels: launches of several decode or verify steps run the layers' one-kernel forms between
+      their two products where the kernels run (the GDN mixer, the decode attention); False runs the chains
+      they replace, e.g. to rule them out when chasing a problem.
     decode_steps_per_launch: run this many model steps in one launch of the device program when no
       waiting request could start and either every row is a plain decode with room for them (with async
       scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
       every row is a verify window with room for that many windows (the device moves each row on by the
       drafts it accepted). Same outputs; the host's per-step work is paid once per launch. A request that
       stops early discards the rest of its launch's tokens; a waiting request that arrives meanwhile
-      starts after the launch. None (default): 4 on a GPU (on the H200 a 0.8B decode step at batch 1 went
-      from 2.07 to 1.40 ms, bench/results/decode-r5-*), 1 elsewhere.
-    library_gemms_min_tokens: steps whose token bucket holds at least this many tokens (prompt-sized
-      steps) compile their matrix products for cuBLAS(Lt) instead of XLA's Triton GEMMs
-      (`runner.LIBRARY_GEMM_OPTIONS`), so XLA folds the residual adds into the products' epilogues; None
-      turns it off. No effect off the GPU. On the H200 a stream of 0.8B 1x8192 prefill steps went from 26.60
-      to 26.22 ms a step (kernels 25.46 -> 24.89 ms), 1x2048 from 6.86 to 6.57, 8x1024 from 22.49 to 22.02
-      (bench/results/prefill-libgemm-{1024,off}-r33_gpu_20261203.json); decode steps (few tokens) keep the
-      Triton GEMMs, faster there (docs/gpu-log.md, r24).
+      starts after the launch. None (default): 4 on a GPU, 1 elsewhere.
+    library_gemms_min_tokens: step programs of at least this many tokens compile their matrix products for
+      cuBLAS(Lt) instead of XLA's Triton GEMMs, so XLA folds the residual adds into the products' epilogues;
+      None turns it off. No effect off the GPU.
     """
 
     max_num_seqs: int = 256
@@ -141,7 +109,8 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
-            (self.attention_impl in ("auto", "xla", "pallas"), "attention_impl must be 'auto', 'xla' or 'pallas'"),
+            (self.attention_impl in KERNEL_CHOICES, "attention_impl must be 'auto', 'xla' or 'pallas'"),
+            (self.gdn_impl in KERNEL_CHOICES, "gdn_impl must be 'auto', 'xla' or 'pallas'"),
             (self.async_scheduling is not True or not self.pd,
              "async_scheduling needs pd=False (a PD handoff is only known once its step's results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
@@ -184,6 +153,15 @@ class EngineConfig:
         if self.decode_steps_per_launch is None:
             return 4 if platform in ("gpu", "cuda", "rocm") else 1
         return self.decode_steps_per_launch
+
+    def kernel_policy(self, platform: str, input_impl: str = "xla") -> KernelPolicy:
+        """The engine's KernelPolicy on a device platform ("gpu", "cpu", ...); input_impl: the input-assembly
+        kernel ("xla", "pallas", "triton")."""
+        gpu = platform in ("gpu", "cuda", "rocm")
+        wanted = lambda impl: impl == "pallas" or (impl == "auto" and gpu)  # noqa: E731
+        return KernelPolicy(attention_kernels=wanted(self.attention_impl), gdn_kernels=wanted(self.gdn_impl),
+                            fused_decode=self.fused_decode_kernels,
+                            library_gemms_min_tokens=self.library_gemms_min_tokens, input_impl=input_impl)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

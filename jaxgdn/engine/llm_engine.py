@@ -19,6 +19,7 @@ from pallas_kernels.ragged_attention import block_queries
 
 from ..model.config import ModelConfig
 from ..model.params import ModelParams, serving_layout
+from ..model.policy import KernelPolicy
 from .config import EngineConfig
 from .memory import device_memory, plan_memory
 from .pd import export_handoff, import_handoff
@@ -32,11 +33,13 @@ from .step_layout import BlockTables, StepArrays, build_step, empty_step
 
 class LLMEngine:
     """device: the JAX device of the engine's weights and state (None: JAX's default). memory_share: the part of
-    the memory budget left on the device this engine takes (a PD prefill worker beside its decode worker)."""
+    the memory budget left on the device this engine takes (a PD prefill worker beside its decode worker).
+    input_impl: the input-assembly kernel; policy: the kernel policy (default `ecfg.kernel_policy` for the
+    device's platform). garbage_seed: fill every state buffer with garbage (slot-hygiene tests)."""
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *, input_impl: str = "xla",
                  garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
-                 memory_share: float = 1.0):
+                 memory_share: float = 1.0, policy: KernelPolicy | None = None):
         self.cfg, self.ecfg = cfg, ecfg
         self.K = ecfg.num_speculative_tokens
         if self.K and params.mtp is None:
@@ -54,12 +57,9 @@ class LLMEngine:
         self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
         self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
         self.block_q = block_queries(cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.runner = ModelRunner(params, cfg, None, gdn_impl=ecfg.gdn_impl, attention_impl=ecfg.attention_impl,
-                                  input_impl=input_impl,
-                                  reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug, device=device,
-                                  rebases=ecfg.uses_async_scheduling and self.K > 0,
-                                  fused_decode=ecfg.fused_decode_kernels,
-                                  library_gemms_min_tokens=ecfg.library_gemms_min_tokens)
+        self.policy = policy or ecfg.kernel_policy(platform, input_impl)
+        self.runner = ModelRunner(params, cfg, None, policy=self.policy, reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug,
+                                  device=device, rebases=ecfg.uses_async_scheduling and self.K > 0)
         new_state = lambda pages, garbage=None: init_engine_state(  # noqa: E731
             cfg, ecfg, pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage)
         self.memory = plan_memory(cfg, ecfg, with_mtp, device_memory(device),

@@ -11,23 +11,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import on_gpu
 from pallas_kernels.kv_write import write_kernel_supports, write_kv_pallas
 
 from .state import GDNSlots, PagedKV
 
 
-def attention_kernels(impl: str) -> bool:
-    """Whether EngineConfig.attention_impl runs the attention layers' Pallas kernels: "pallas" anywhere
-    (interpret mode off the GPU), "auto" on a GPU; "xla" never."""
-    return impl == "pallas" or (impl == "auto" and on_gpu())
-
-
-def write_kv(kv: PagedKV, slots, k, v, impl: str):
-    """Write k, v [N, Hkv, D] at flat pool slots [N]. The Pallas kernel (in place) where `attention_kernels`
-    and a token's K is one Triton tile; XLA's scatter otherwise. Returns the two pools."""
+def write_kv(kv: PagedKV, slots, k, v, kernel: bool):
+    """Write k, v [N, Hkv, D] at flat pool slots [N]: with kernel, the Pallas kernel (in place) where a token's
+    K is one Triton tile; XLA's scatter otherwise. Returns the two pools."""
     P, ps, Hkv, D = kv.k.shape
-    if attention_kernels(impl) and write_kernel_supports(Hkv, D):
+    if kernel and write_kernel_supports(Hkv, D):
         return write_kv_pallas(kv.k, kv.v, slots, k, v)
     scatter = lambda pool, x: pool.reshape(P * ps, Hkv, D).at[slots].set(x.astype(pool.dtype)).reshape(pool.shape)  # noqa: E731
     return scatter(kv.k, k), scatter(kv.v, v)

@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import on_gpu
 from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
 from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
 from pallas_kernels.gdn_ragged_pallas import kernels_support as gdn_kernels_support
@@ -35,9 +34,10 @@ from ..model.mlp import linear
 from ..model.mtp import mtp_fc_input
 from ..model.norms import rms_norm_1p
 from ..model.params import ModelParams
+from ..model.policy import KernelPolicy
 from ..model.pytree import pytree_dataclass
 from ..model.rope import rope_cos_sin
-from .pools import attention_kernels, read_conv, read_ssm, write_conv, write_kv, write_ssm
+from .pools import read_conv, read_ssm, write_conv, write_kv, write_ssm
 from .state import EngineState, GDNSlots, PagedKV
 
 Array = Any
@@ -64,24 +64,23 @@ class StepMeta:
         return self.token_row >= 0
 
 
-def uses_attention_kernel(cfg: ModelConfig, page_size: int, impl: str) -> bool:
-    """Whether the ragged attention runs the Pallas kernel: on a GPU or with impl "pallas", where its tiles fit."""
-    return attention_kernels(impl) and ragged_kernel_supports(cfg.head_dim, page_size, cfg.num_attention_heads,
-                                                                     cfg.num_key_value_heads)
+def uses_attention_kernel(cfg: ModelConfig, page_size: int, policy: KernelPolicy) -> bool:
+    """Whether the ragged attention runs the Pallas kernel: policy.attention_kernels, where its tiles fit."""
+    return policy.attention_kernels and ragged_kernel_supports(cfg.head_dim, page_size, cfg.num_attention_heads,
+                                                               cfg.num_key_value_heads)
 
 
-def use_prompt_qkv_kernel(p, cfg: ModelConfig, impl: str) -> bool:
+def use_prompt_qkv_kernel(p, cfg: ModelConfig, policy: KernelPolicy) -> bool:
     """Whether q/k/v come from the fused projection through one kernel (`pallas_kernels/prompt_qkv.py`: the
-    split, q/k norms and RoPE) on a GPU or with impl "pallas"."""
-    return attention_kernels(impl) and p.fused is not None and prompt_qkv_supports(cfg.head_dim,
-                                                                                           cfg.rotary_dim)
+    split, q/k norms and RoPE): policy.attention_kernels, fused weights, halves of RoPE that are tiles."""
+    return policy.attention_kernels and p.fused is not None and prompt_qkv_supports(cfg.head_dim, cfg.rotary_dim)
 
 
-def project_qkv_gate_flat(p, cfg: ModelConfig, h, positions, impl: str):
+def project_qkv_gate_flat(p, cfg: ModelConfig, h, positions, policy: KernelPolicy):
     """`attention.project_qkv_gate` of the stream h [T, H], positions [T]: q [T, Hq, D], k, v [T, Hkv, D],
     gate [T, Hq*D]; through the one kernel where `use_prompt_qkv_kernel`."""
     T, H = h.shape
-    if not use_prompt_qkv_kernel(p, cfg, impl):
+    if not use_prompt_qkv_kernel(p, cfg, policy):
         q, k, v, gate = project_qkv_gate(p, cfg, h.reshape(1, T, H), positions[None])
         return q[0], k[0], v[0], gate[0]
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -92,13 +91,13 @@ def project_qkv_gate_flat(p, cfg: ModelConfig, h, positions, impl: str):
     return q[0], k[0], v[0], gate
 
 
-def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, impl: str):
+def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, policy: KernelPolicy):
     """Gated attention of the flat stream h [T, H] (or a DeferredNorm of it): write this step's K/V at each
     token's slot, attend over each row's pages. Returns (out [T, H], new pools)."""
     T = meta.positions.shape[0]
-    q, k, v, gate = project_qkv_gate_flat(p, cfg, h, meta.positions, impl)
-    k_pool, v_pool = write_kv(kv, meta.kv_slots, k, v, impl)
-    if uses_attention_kernel(cfg, kv.k.shape[1], impl):
+    q, k, v, gate = project_qkv_gate_flat(p, cfg, h, meta.positions, policy)
+    k_pool, v_pool = write_kv(kv, meta.kv_slots, k, v, policy.attention_kernels)
+    if uses_attention_kernel(cfg, kv.k.shape[1], policy):
         attn = ragged_paged_attention(q, k_pool, v_pool, meta.positions, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, meta.block_row, meta.block_start)
     else:
@@ -108,15 +107,13 @@ def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, impl: 
     return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
 
 
-def uses_gdn_kernels(cfg: ModelConfig, impl: str) -> bool:
-    """Whether the ragged GDN recurrence runs the Pallas kernels (`pallas_kernels/gdn_ragged_pallas.py`): gdn_impl
-    "pallas", "pallas_pool" or "pallas_recurrent" anywhere (interpret mode off the GPU), "auto" on a GPU; head
-    sizes that are Triton tiles."""
-    wanted = impl in ("pallas", "pallas_pool", "pallas_recurrent") or (impl == "auto" and on_gpu())
-    return wanted and gdn_kernels_support(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+def uses_gdn_kernels(cfg: ModelConfig, policy: KernelPolicy) -> bool:
+    """Whether the ragged GDN recurrence runs the Pallas kernels (`pallas_kernels/gdn_ragged_pallas.py`):
+    policy.gdn_kernels, head sizes that are Triton tiles."""
+    return policy.gdn_kernels and gdn_kernels_support(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
-def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_accepted, impl: str):
+def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_accepted, policy: KernelPolicy):
     """The GDN layer over the flat stream h [T, H]: projections, each row's conv from its window, the
     recurrence from its committed state, the gated norm and out_proj; the rows' new states (and a verify
     row's checkpoints) go into the slot pool. Returns (out [T, H], new slots)."""
@@ -131,7 +128,7 @@ def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_acce
     u, window, buffers = ragged_causal_conv(mixed[0], p.conv1d, windows, meta.token_row, meta.query_start_loc, W)
     conv = write_conv(slots, meta, window, buffers if W > 1 else None)
     q, k, v = (x[0] for x in split_qkv(cfg, u[None]))
-    if uses_gdn_kernels(cfg, impl):  # the pool read and written in place
+    if uses_gdn_kernels(cfg, policy):  # the pool read and written in place
         o, ssm = gdn_ragged_pallas(q, k, v, g, beta, slots.ssm, meta.query_start_loc, meta.idx_mapping, offset,
                                    meta.fresh, meta.verify_path)
     else:
@@ -142,36 +139,35 @@ def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_acce
     return out, GDNSlots(conv=conv, ssm=ssm)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "policy"))
 def _ragged_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: ModelConfig, attention: bool,
-                  gdn_impl: str, attention_impl: str):
+                  policy: KernelPolicy):
     """One decoder layer on the flat stream x [T, H]. Its own jit, called inside the step's trace: the
     layers of a kind share one traced and lowered function, which XLA inlines before it optimizes."""
 
     def mixer(h):
         if attention:
-            return attention_ragged(p.mixer, cfg, h, meta, layer_state, attention_impl)
-        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, gdn_impl)
+            return attention_ragged(p.mixer, cfg, h, meta, layer_state, policy)
+        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, policy)
 
-    return residual_block(p, cfg, x, mixer)
+    return residual_block(p, cfg, x, mixer, policy)
 
 
 def forward_ragged(params: ModelParams, cfg: ModelConfig, input_ids, meta: StepMeta, state: EngineState,
-                   gdn_impl: str, attention_impl: str = "auto"):
+                   policy: KernelPolicy):
     """input_ids [T] -> (hidden [T, H] after the final norm, new EngineState)."""
     x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         x, new_state = _ragged_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,
-                                     attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
-                                     attention_impl=attention_impl)
+                                     attention=layer_type == FULL_ATTENTION, policy=policy)
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     return hidden, dataclasses.replace(state, layers=tuple(new_layers))
 
 
 def mtp_ragged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, meta: StepMeta, mtp_layers: tuple,
-               attention_impl: str = "auto"):
+               policy: KernelPolicy):
     """The MTP head over the flat stream: token t gets the trunk hidden at its position and the token after
     it (next_ids [T]). Writes the MTP layer's own paged KV. Returns (mtp hidden [T, H] after mtp.norm, layers)."""
     mtp = params.mtp
@@ -179,6 +175,6 @@ def mtp_ragged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, meta: St
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
         x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: attention_ragged(
-            layer.mixer, cfg, h, meta, kv, attention_impl))
+            layer.mixer, cfg, h, meta, kv, policy), policy)
         new_layers.append(kv)
     return rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps), tuple(new_layers)

@@ -24,6 +24,7 @@ from pallas_kernels.input_assembly import combine_sampled_and_draft_tokens
 from ..model.config import ModelConfig
 from ..model.forward import logits_from_hidden
 from ..model.params import ModelParams
+from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .ragged_forward import StepMeta, forward_ragged, mtp_ragged
 from .sampling import position_keys
 from .spec_decode import verify_drafts
@@ -158,9 +159,8 @@ def _step_meta(a: dict[str, Any]) -> StepMeta:
                     block_row=a["block_row"], block_start=a["block_start"])
 
 
-def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig, gdn_impl: str,
-                 attention_impl: str, input_impl: str, unguarded: bool, stochastic: bool = True, width: int = 0,
-                 fused_decode: bool = True):
+def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, cfg: ModelConfig,
+                 policy: KernelPolicy, unguarded: bool, stochastic: bool = True, width: int = 0):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a["idx_mapping"].shape[0]
@@ -172,13 +172,13 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     num_logits = R * W
     ids, logits_indices = combine_sampled_and_draft_tokens(
         a["input_ids"], idx, state.last_sampled, a["query_start_loc"], a["seq_lens"], a["prefill_len"],
-        draft_tokens, a["cu_num_logits"], num_logits=num_logits, unguarded=unguarded, impl=input_impl,
+        draft_tokens, a["cu_num_logits"], num_logits=num_logits, unguarded=unguarded, impl=policy.input_impl,
     )
     meta = _step_meta(a)
     if width:
-        hidden, state = forward_uniform(params, cfg, ids, meta, width, state, gdn_impl, attention_impl, fused_decode)
+        hidden, state = forward_uniform(params, cfg, ids, meta, width, state, policy)
     else:
-        hidden, state = forward_ragged(params, cfg, ids, meta, state, gdn_impl, attention_impl)
+        hidden, state = forward_ragged(params, cfg, ids, meta, state, policy)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.
@@ -209,7 +209,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
     mtp_layers = state.mtp_layers
     if K and params.mtp is not None:
         new_drafts, mtp_layers = _propose_drafts(params, cfg, a, meta, ids, hidden, tokens, num_sampled, n_draft,
-                                                 samples, last_token, mtp_layers, K, attention_impl)
+                                                 samples, last_token, mtp_layers, K, policy)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed)
@@ -217,7 +217,7 @@ def _device_step(params: ModelParams, state: EngineState, a: dict[str, Any], *, 
 
 
 def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sampled, n_draft, samples, last_token,
-                    mtp_layers, K, attention_impl):
+                    mtp_layers, K, policy: KernelPolicy):
     """MTP drafting after verification (vLLM's eagle/MTP proposer, shift-left form), on the flat stream.
 
     Token t of a row gets (trunk hidden at its position p, token at p + 1): the next input token of the
@@ -240,7 +240,7 @@ def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sam
     mtp_meta = dataclasses.replace(  # dropped tokens write to the null page (flat slot 0)
         meta, token_row=jnp.where(kept, meta.token_row, -1), kv_slots=jnp.where(kept, meta.kv_slots, 0),
         seq_lens=meta.seq_lens - num_rejected)
-    m, mtp_layers = mtp_ragged(params, cfg, hidden, eagle_ids, mtp_meta, mtp_layers, attention_impl)
+    m, mtp_layers = mtp_ragged(params, cfg, hidden, eagle_ids, mtp_meta, mtp_layers, policy)
     last = jnp.clip(qsl[:-1] + keep - 1, 0, T - 1)  # [R] each row's last kept token
     h = m[last]  # [R, H]
     pos = meta.positions[last]  # [R]
@@ -259,7 +259,7 @@ def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sam
                          query_start_loc=jnp.arange(R + 1, dtype=jnp.int32), seq_lens=jnp.where(samples, pos + 1, 0),
                          idx_mapping=meta.idx_mapping, block_tables=meta.block_tables, fresh=meta.fresh,
                          verify_path=meta.verify_path, block_row=jnp.where(in_range, rows, -1), block_start=rows)
-        h, mtp_layers = mtp_ragged(params, cfg, h, draft, chain, mtp_layers, attention_impl)
+        h, mtp_layers = mtp_ragged(params, cfg, h, draft, chain, mtp_layers, policy)
         draft = jnp.argmax(logits_from_hidden(params, h), axis=-1).astype(jnp.int32)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), mtp_layers
@@ -313,13 +313,11 @@ def layout_tokens(layout: tuple) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, gdn_impl: str, input_impl: str, unguarded: bool, attention_impl: str = "auto",
-                 rebases: bool = False, fused_decode: bool = True, library_gemms: bool = False):
+def _jitted_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
+                 library_gemms: bool = False):
     """One jitted step function per static setting, shared by every runner in the process. library_gemms:
     compile with LIBRARY_GEMM_OPTIONS (no effect off the GPU)."""
-    return jax.jit(functools.partial(_packed_step, cfg=cfg, gdn_impl=gdn_impl, attention_impl=attention_impl,
-                                     input_impl=input_impl, unguarded=unguarded, rebases=rebases,
-                                     fused_decode=fused_decode),
+    return jax.jit(functools.partial(_packed_step, cfg=cfg, policy=policy, unguarded=unguarded, rebases=rebases),
                    donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7),
                    compiler_options=LIBRARY_GEMM_OPTIONS if library_gemms else None)
 
@@ -330,10 +328,9 @@ class ModelRunner:
 
     MAX_RESIDENT_INPUTS = 64
 
-    def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState, *, gdn_impl: str = "auto",
-                 input_impl: str = "xla", reproduce_pd_mtp_bug: bool = False, device=None,
-                 attention_impl: str = "auto", rebases: bool = False, fused_decode: bool = True,
-                 library_gemms_min_tokens: int | None = None):
+    def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState | None, *,
+                 policy: KernelPolicy = DEFAULT_POLICY, reproduce_pd_mtp_bug: bool = False, device=None,
+                 rebases: bool = False):
         self.device = device  # None: JAX's default device
         self.params = params
         self.cfg = cfg
@@ -345,12 +342,10 @@ class ModelRunner:
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
-        # fused_decode: EngineConfig.fused_decode_kernels
-        # library_gemms_min_tokens: EngineConfig.library_gemms_min_tokens (None: every step on _step)
-        static = (cfg, gdn_impl, input_impl, reproduce_pd_mtp_bug, attention_impl, rebases, fused_decode)
+        static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
+        self.policy = policy
         self._step = _jitted_step(*static)
         self._library_step = _jitted_step(*static, library_gemms=True)
-        self.library_gemms_min_tokens = library_gemms_min_tokens
         self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
         self.num_compiles = 0
         self.compiles_after_startup = 0
@@ -358,8 +353,8 @@ class ModelRunner:
 
     def program(self, layout: tuple):
         """The jitted step that runs a launch of this packed layout: the library-GEMM program for token
-        buckets of at least library_gemms_min_tokens, else the default one."""
-        threshold = self.library_gemms_min_tokens
+        buckets of at least the policy's library_gemms_min_tokens, else the default one."""
+        threshold = self.policy.library_gemms_min_tokens
         return self._library_step if threshold is not None and layout_tokens(layout) >= threshold else self._step
 
     @property

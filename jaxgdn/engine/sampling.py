@@ -19,16 +19,6 @@ def position_keys(seeds, request_ids, positions):
     return jax.vmap(one)(seeds, request_ids, positions)
 
 
-# Pin the scaled logits in one buffer that the sort, the thresholds, the mask and log_softmax all read.
-# Without it, on the H200 XLA's Triton GEMM fusions recompute the logits product inside the sort's and the
-# mask's fusions, the copies differ in the last bits, and a threshold taken from one copy can mask every
-# token of the other: log_softmax of an all -inf row is NaN and its argmax the pad token 0. Sampled MTP
-# rows emitted 0 that way; with the pin (or with --xla_gpu_enable_triton_gemm=false) they match the CPU
-# token for token (bench/results/engine-sampling-probes-r2_gpu_20261201.txt, engine-sampling-pinned_gpu_*).
-# bench/probes/engine_sampling.py sets it False ($PIN_SCALED_LOGITS=0) to reproduce the bug.
-PIN_SCALED_LOGITS = True
-
-
 def filtered_log_probs(logits, temperature, top_k, top_p):
     """logits [L, V] -> log-probabilities after temperature, top-k and top-p (filtered entries -inf).
 
@@ -37,9 +27,10 @@ def filtered_log_probs(logits, temperature, top_k, top_p):
     """
     V = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits.astype(jnp.float32) / t
-    if PIN_SCALED_LOGITS:
-        scaled = jax.lax.optimization_barrier(scaled)
+    # Pinned in one buffer that the sort, the thresholds, the mask and log_softmax all read: XLA's GPU GEMM
+    # fusions otherwise recompute the logits inside some of them with other bits, and a threshold taken from
+    # one copy can mask every token of another (an all -inf row samples the pad token).
+    scaled = jax.lax.optimization_barrier(logits.astype(jnp.float32) / t)
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)

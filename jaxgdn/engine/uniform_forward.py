@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
-from pallas_kernels.decode_attention import decode_attention_pooled, decode_attention_supports
-from pallas_kernels.gdn import use_pooled_recurrent
+from pallas_kernels.decode_attention import DecodeAttentionLayout, decode_attention_pooled, decode_attention_supports
+from pallas_kernels.gdn import RECURRENT_MAX_T
 from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
-from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled
+from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled, pooled_kernel_supports
 
 from ..model.config import FULL_ATTENTION, ModelConfig
 from ..model.forward import residual_block
@@ -29,10 +29,9 @@ from ..model.gdn import gdn_output, gdn_projections
 from ..model.mlp import linear, linear_parts
 from ..model.norms import rms_norm_1p
 from ..model.params import ModelParams
+from ..model.policy import KernelPolicy
 from ..model.pytree import pytree_dataclass
 from ..model.rope import rope_cos_sin
-from .config import env_switch
-from .pools import attention_kernels
 from .ragged_forward import StepMeta, attention_ragged, gdn_ragged
 from .state import EngineState, GDNSlots, PagedKV
 
@@ -71,21 +70,15 @@ def row_view(meta: StepMeta, width: int) -> RowView:
                    idx_mapping=meta.idx_mapping, fresh=meta.fresh, verify_path=meta.verify_path)
 
 
-# With fused_decode (`EngineConfig.fused_decode_kernels`), rows of at most DECODE_ATTENTION_MAX_QUERIES tokens run
-# the attention layer between its two products as one kernel (`pallas_kernels/decode_attention.py`) on a GPU or
-# with impl "pallas".
-DECODE_ATTENTION_MAX_QUERIES = 8
-
-
-def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: int, impl: str,
-                                fused_decode: bool = True) -> bool:
+def use_decode_attention_kernel(p, cfg: ModelConfig, queries: int, page_size: int, policy: KernelPolicy) -> bool:
     """Whether an attention layer's step of rows `queries` tokens wide runs the one decode-attention kernel:
-    fused_decode on, short rows, fused q/k/v weights (one product to read) and tile-sized heads and pages."""
-    return (fused_decode and attention_kernels(impl) and queries <= DECODE_ATTENTION_MAX_QUERIES
+    policy.fused_decode and attention_kernels, short rows, fused q/k/v weights (one product to read) and
+    tile-sized heads and pages."""
+    return (policy.fused_decode and policy.attention_kernels and queries <= policy.decode_attention_max_queries
             and p.fused is not None and decode_attention_supports(cfg.head_dim, page_size, cfg.rotary_dim))
 
 
-def decode_attention_rows(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
+def decode_attention_rows(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV, layout: DecodeAttentionLayout):
     """The attention layer of [R, Q] rows (h [R, Q, H] or a DeferredNorm of it) with the decode kernel
     between its two products. Returns (out [R, Q, H], new pools)."""
     y, row_scale = linear_parts(h, p.fused)
@@ -93,40 +86,28 @@ def decode_attention_rows(p, cfg: ModelConfig, h, view: RowView, kv: PagedKV):
     o, k_pool, v_pool = decode_attention_pooled(
         y, row_scale, p.q_norm, p.k_norm, cfg.rms_norm_eps, cos, sin, kv.k, kv.v, view.kv_slots.reshape(-1),
         view.block_tables, jnp.where(view.valid, view.positions, -1), view.seq_lens - view.num_valid,
-        view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype)
+        view.seq_lens, num_heads=cfg.num_attention_heads, dtype=h.dtype, layout=layout)
     return linear(o, p.o_proj), PagedKV(k=k_pool, v=v_pool)
 
 
-# With fused_decode (`EngineConfig.fused_decode_kernels`), the GDN mixer kernel (`pallas_kernels/gdn_mixer.py`)
-# for steps of MIXER_MIN_ROWS to MIXER_MAX_ROWS rows on the pool kernel path; without, the unfused chain (product
-# scale, gates, conv kernel, pool kernel, gated norm) always. The mixer's one program per (row, key head) holds
-# whole state tiles; the chain's kernels split dv over more programs, which pays at few rows (since the gates
-# moved into the pool kernel) and at many.
-MIXER_MAX_ROWS = 16
-MIXER_MIN_ROWS = 6
-
-# Steps of the unfused chain with fused weights form the gates g and beta inside the pool kernel from the
-# product's b and a columns (`gdn_recurrent_pooled(gates=...)`), where XLA ran them as a kernel of their own.
-# `$JAXGDN_POOL_GATES` ('on', the default, or 'off'; read once at import) switches it.
-POOL_KERNEL_GATES = env_switch("JAXGDN_POOL_GATES")
-
-
-def use_mixer_kernel(p, cfg: ModelConfig, rows: int, fused_decode: bool = True) -> bool:
-    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: fused_decode on,
-    MIXER_MIN_ROWS to MIXER_MAX_ROWS rows, the weights fused (the serving layout, so b and a sit in the product)
-    and tile-sized heads of at most 128 x 128."""
-    return (fused_decode and MIXER_MIN_ROWS <= rows <= MIXER_MAX_ROWS and p.fused is not None
+def use_mixer_kernel(p, cfg: ModelConfig, rows: int, policy: KernelPolicy) -> bool:
+    """Whether a GDN layer's pool-kernel step of `rows` rows runs the one mixer kernel: policy.fused_decode,
+    rows in policy.mixer_rows (its one program per (row, key head) holds whole state tiles; the chain's
+    kernels split dv over more programs, which pays at few rows and at many), the weights fused (the serving
+    layout, so b and a sit in the product) and tile-sized heads of at most 128 x 128."""
+    lo, hi = policy.mixer_rows
+    return (policy.fused_decode and lo <= rows <= hi and p.fused is not None
             and mixer_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
-def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, fused_decode: bool = True):
+def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, policy: KernelPolicy):
     """The GDN layer over [R, Q] rows (h [R, Q, H]) on the in-place pool kernels: the conv kernel reads and
     writes each row's window in the pool (`pallas_kernels/conv_pallas.py`), the pool kernel reads checkpoint
     num_accepted-1 of each row's slot and writes the new checkpoints straight into it, with no gathered copy
     of the states; with fused weights and fused_decode one kernel does the conv, gates, recurrence and gated
     norm (`use_mixer_kernel`). Returns (out [R, Q, H], new slots)."""
     offset = num_accepted[view.idx_mapping] - 1
-    if use_mixer_kernel(p, cfg, h.shape[0], fused_decode):  # everything between the two products in one kernel
+    if use_mixer_kernel(p, cfg, h.shape[0], policy):  # everything between the two products in one kernel
         y, row_scale = linear_parts(h, p.fused)
         out, conv, ssm = gdn_mixer_pooled(y, row_scale, p.conv1d, p.A_log, p.dt_bias, p.norm, cfg.rms_norm_eps,
                                           slots.conv, slots.ssm, view.idx_mapping, offset, view.fresh,
@@ -136,7 +117,7 @@ def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_
     u, conv = causal_conv_pooled(source, cfg.conv_dim, p.conv1d, slots.conv, view.idx_mapping, offset, view.fresh,
                                  view.verify_path, view.num_valid)
     rows = (slots.ssm, view.idx_mapping, offset, view.fresh, view.verify_path)
-    if p.fused is not None and POOL_KERNEL_GATES:  # b and a sit in the product: the kernel forms the gates
+    if p.fused is not None and policy.pool_gates:  # b and a sit in the product: the kernel forms the gates
         gates = GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, view.num_valid)
         o, ssm = gdn_recurrent_pooled(u, None, None, *rows, gates=gates)
     else:
@@ -144,16 +125,17 @@ def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_
     return gdn_output(p, cfg, o, z, h.dtype), GDNSlots(conv=conv, ssm=ssm)
 
 
-def use_pooled_kernels(cfg: ModelConfig, width: int, gdn_impl: str) -> bool:
-    """Whether a uniform step's GDN layers run `gdn_rows_pooled` (else the ragged form)."""
-    return (use_pooled_recurrent(gdn_impl, width, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+def use_pooled_kernels(cfg: ModelConfig, width: int, policy: KernelPolicy) -> bool:
+    """Whether a uniform step's GDN layers run `gdn_rows_pooled` (else the ragged form): policy.gdn_kernels,
+    short rows, tile-sized heads and conv blocks."""
+    return (policy.gdn_kernels and width <= RECURRENT_MAX_T
+            and pooled_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
             and conv_kernel_supports(cfg.conv_dim))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention", "gdn_impl", "attention_impl", "width",
-                                             "fused_decode"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention", "policy", "width"))
 def _uniform_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: ModelConfig, attention: bool,
-                   gdn_impl: str, attention_impl: str, width: int, fused_decode: bool):
+                   policy: KernelPolicy, width: int):
     """One decoder layer of `forward_uniform` on the stream x [T, H]. Its own jit, called inside the step's
     trace: the layers of a kind share one traced and lowered function, which XLA inlines before it optimizes."""
     view = row_view(meta, width)
@@ -162,28 +144,28 @@ def _uniform_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: Mode
 
     def mixer(h):
         if attention:
-            if use_decode_attention_kernel(p.mixer, cfg, width, layer_state.k.shape[1], attention_impl, fused_decode):
-                out, new_state = decode_attention_rows(p.mixer, cfg, to_rows(h), view, layer_state)
+            if use_decode_attention_kernel(p.mixer, cfg, width, layer_state.k.shape[1], policy):
+                out, new_state = decode_attention_rows(p.mixer, cfg, to_rows(h), view, layer_state,
+                                                       policy.decode_attention_layout)
                 return out.reshape(T, -1), new_state
-            return attention_ragged(p.mixer, cfg, h, meta, layer_state, attention_impl)
-        if use_pooled_kernels(cfg, width, gdn_impl):
-            out, new_state = gdn_rows_pooled(p.mixer, cfg, to_rows(h), view, layer_state, num_accepted, fused_decode)
+            return attention_ragged(p.mixer, cfg, h, meta, layer_state, policy)
+        if use_pooled_kernels(cfg, width, policy):
+            out, new_state = gdn_rows_pooled(p.mixer, cfg, to_rows(h), view, layer_state, num_accepted, policy)
             return out.reshape(T, -1), new_state
-        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, gdn_impl)
+        return gdn_ragged(p.mixer, cfg, h, meta, layer_state, num_accepted, policy)
 
-    return residual_block(p, cfg, x, mixer)
+    return residual_block(p, cfg, x, mixer, policy)
 
 
 def forward_uniform(params: ModelParams, cfg: ModelConfig, input_ids, meta: StepMeta, width: int, state: EngineState,
-                    gdn_impl: str, attention_impl: str = "auto", fused_decode: bool = True):
+                    policy: KernelPolicy):
     """input_ids [T] of R rows of `width` tokens (T = R * width) -> (hidden [T, H] after the final norm, new
-    EngineState). fused_decode (static): `EngineConfig.fused_decode_kernels`."""
+    EngineState)."""
     x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         x, new_state = _uniform_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,
-                                      attention=layer_type == FULL_ATTENTION, gdn_impl=gdn_impl,
-                                      attention_impl=attention_impl, width=width, fused_decode=fused_decode)
+                                      attention=layer_type == FULL_ATTENTION, policy=policy, width=width)
         new_layers.append(new_state)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     return hidden, dataclasses.replace(state, layers=tuple(new_layers))

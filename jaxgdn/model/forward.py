@@ -18,28 +18,31 @@ from .gdn import gdn_layer
 from .mlp import linear, mlp
 from .norms import pre_norm, rms_norm_1p
 from .params import DecoderLayerParams, ModelParams
+from .policy import DEFAULT_POLICY, KernelPolicy
 
 
-def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable):
+def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable, policy: KernelPolicy = DEFAULT_POLICY):
     """Pre-norm residual block: x + mixer(norm(x)), then + MLP(norm(.)).
 
     mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools); h is
     the normed x, a DeferredNorm where the norm's weight is folded into the projections (`pre_norm`).
     Returns (x, new_state).
     """
-    h, new_state = mixer(pre_norm(x, p.input_layernorm, cfg.rms_norm_eps))
+    eps, post = cfg.rms_norm_eps, policy.post_scale_max_tokens
+    h, new_state = mixer(pre_norm(x, p.input_layernorm, eps, post))
     x = x + h
-    x = x + mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, cfg.rms_norm_eps))
+    x = x + mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, eps, post), policy)
     return x, new_state
 
 
-def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl):
+def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl,
+                  policy: KernelPolicy = DEFAULT_POLICY):
     """A decoder layer on a dense cache. Returns (x, new layer cache)."""
     if layer_type == FULL_ATTENTION:
         mixer = lambda h: attention_layer(p.mixer, cfg, h, positions, layer_cache, start)  # noqa: E731
     else:
         mixer = lambda h: gdn_layer(p.mixer, cfg, h, layer_cache, impl=gdn_impl)  # noqa: E731
-    return residual_block(p, cfg, x, mixer)
+    return residual_block(p, cfg, x, mixer, policy)
 
 
 def step_positions(cache: ModelCache | None, batch: int, num_tokens: int):
@@ -61,6 +64,7 @@ def forward(
     *,
     gdn_impl: str = "auto",
     compute_logits: bool = True,
+    policy: KernelPolicy = DEFAULT_POLICY,
 ):
     """input_ids: [B, T] int. Returns (logits [B, T, V] or None, hidden [B, T, H] after the final norm,
     new cache or None). The hidden is what the MTP head consumes."""
@@ -70,7 +74,8 @@ def forward(
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         layer_cache = None if cache is None else cache.layers[i]
-        x, layer_cache = decoder_layer(params.layers[i], cfg, layer_type, x, positions, layer_cache, start, gdn_impl)
+        x, layer_cache = decoder_layer(params.layers[i], cfg, layer_type, x, positions, layer_cache, start, gdn_impl,
+                                       policy)
         new_layers.append(layer_cache)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     logits = logits_from_hidden(params, hidden) if compute_logits else None

@@ -7,17 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .pytree import pytree_dataclass
-
-# A product reading a DeferredNorm of at most this many tokens scales its output rows by 1/rms: the scale
-# joins the GEMV's kernel or its consumer's, and the norm runs no scale-and-cast kernel of its own. Larger
-# ones scale their input rows first, as a plain RMSNorm does (the folded weight still saves the multiply by
-# 1 + w). On the H200 (bench/results/decode-fold{1,16,128}-*_gpu_20261202.json, 0.8B decode, device ms a
-# step) post-scaling took batch 1 from 0.902-0.910 to 0.875-0.889, but batch 8 from 1.125-1.158 to
-# 1.145-1.159 and batch 64 from 1.997 to 2.020-2.022, where the products are GEMMs; at prefill sizes a
-# product's output is several times wider than its input and a Pallas kernel (the GDN conv) reads it.
-POST_SCALE_MAX_TOKENS = 1
-
+from flax import struct
 
 def upcast(x):
     """x in fp32, or kept wider (fp64 parity runs): the dtype of all statistics and gate math."""
@@ -38,25 +28,31 @@ def rms_norm_1p(x, weight, eps: float):
     return (upcast(x) * inverse_rms(x, eps) * (1.0 + upcast(weight))).astype(x.dtype)
 
 
-def pre_norm(x, weight, eps: float):
+def pre_norm(x, weight, eps: float, post_scale_max_tokens: int = 1):
     """A decoder layer's input or post-attention norm: rms_norm_1p(x, weight), or with weight None (its
-    1 + w folded into the products that read it, `params.fold_norms`) a DeferredNorm of x."""
-    return DeferredNorm(x, inverse_rms(x, eps)) if weight is None else rms_norm_1p(x, weight, eps)
+    1 + w folded into the products that read it, `params.fold_norms`) a DeferredNorm of x, post-scaled
+    when x has at most post_scale_max_tokens tokens (`KernelPolicy.post_scale_max_tokens`)."""
+    if weight is not None:
+        return rms_norm_1p(x, weight, eps)
+    return DeferredNorm(x, inverse_rms(x, eps), x.size // x.shape[-1] <= post_scale_max_tokens)
 
 
-@pytree_dataclass
+@struct.dataclass
 class DeferredNorm:
     """The activation x / rms(x) kept as its two factors, for products whose weights hold the norm's 1 + w
-    (`params.fold_norms`): `product` applies the per-token 1/rms before or after the product by size
-    (POST_SCALE_MAX_TOKENS). At decode sizes an RMSNorm was two kernels of ~1.5 us in front of every GEMV
-    (a sum of squares, then a scale and cast that XLA does not fuse into the GEMV, whose reduction would
-    recompute it per output), about 100 kernels of a 0.8B step (bench/results/decode-kernels-probe_gpu_20261202.json).
+    (`params.fold_norms`): at decode sizes an RMSNorm was two kernels in front of every GEMV (a sum of squares,
+    then a scale and cast that XLA does not fuse into the GEMV, whose reduction would recompute it per
+    output). post_scale: products scale their output rows by 1/rms, so the scale joins the GEMV's kernel or
+    its consumer's; else they scale the input rows first, as a plain RMSNorm does (the folded weight still
+    saves the multiply by 1 + w): at batch sizes where the products are GEMMs and at prefill, where a
+    product's output is wider than its input.
 
     Shape-wise it stands for x: `shape`, `dtype` and `reshape` are x's; jax.tree.map indexes both factors.
     """
 
     x: Any  # [..., H] the residual stream (activation dtype)
     inv_rms: Any  # [..., 1] fp32
+    post_scale: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self):
@@ -67,24 +63,22 @@ class DeferredNorm:
         return self.x.dtype
 
     def reshape(self, *shape):
-        return DeferredNorm(self.x.reshape(*shape), self.inv_rms.reshape(*shape[:-1], 1))
+        return DeferredNorm(self.x.reshape(*shape), self.inv_rms.reshape(*shape[:-1], 1), self.post_scale)
 
     def product_parts(self, w):
-        """(x / rms(x)) @ w.T for w [out, H] as (y, row_scale): y [..., out] fp32 and row_scale the 1/rms
-        [..., 1] when tokens <= POST_SCALE_MAX_TOKENS (the product is (y * row_scale) in x.dtype: a kernel
-        reading y may apply the scale itself), else y in x.dtype, the product of the scaled rows, and None."""
-        tokens = self.x.size // self.x.shape[-1]
-        if tokens <= POST_SCALE_MAX_TOKENS:
+        """(x / rms(x)) @ w.T for w [out, H] as (y, row_scale): post-scaled, y [..., out] fp32 and row_scale
+        the 1/rms [..., 1] (the product is (y * row_scale) in x.dtype: a kernel reading y may apply the scale
+        itself); else y in x.dtype, the product of the scaled rows, and None."""
+        if self.post_scale:
             wide = jnp.promote_types(self.x.dtype, jnp.float32)
             # The barrier makes the GEMV read x as stored: without it XLA fuses the residual add(s) that
-            # produce x into each GEMV's reduction, which recomputes them per output. Batch 1 on the H200:
-            # device 0.858 against 0.894 ms a step (bench/results/fold-forms-{barrier,folded}-probe_gpu_20261202.json).
+            # produce x into each GEMV's reduction, which recomputes them per output.
             x = jax.lax.optimization_barrier(self.x)
             return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=wide), self.inv_rms
         return jnp.einsum("...i,oi->...o", self.rows(), w), None
 
     def rows(self):
-        """x / rms(x) in x's dtype [..., H]: the input rows a product of more than POST_SCALE_MAX_TOKENS reads."""
+        """x / rms(x) in x's dtype [..., H]: the input rows a product that does not post-scale reads."""
         return (upcast(self.x) * self.inv_rms).astype(self.x.dtype)
 
     def product(self, w):
