@@ -135,9 +135,9 @@ def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
     import jax.numpy as jnp
 
     from jaxgdn.model import mlp
-    from jaxgdn.model.policy import DEFAULT_POLICY
     from jaxgdn.model.norms import DeferredNorm, inverse_rms
     from jaxgdn.model.params import MLPParams
+    from jaxgdn.model.policy import DEFAULT_POLICY
     from pallas_kernels import swiglu_mosaic as sm
 
     assert sm.supported(4096, 1024, 3584, jnp.bfloat16)

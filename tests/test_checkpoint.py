@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import hf_causal_lm, hf_logits, hf_text_config, random_ids, small_config, to_torch
+from helpers import hf_causal_lm, hf_logits, random_ids, small_config, to_torch
 from safetensors.numpy import load_file, save_file
 
 from jaxgdn.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

@@ -190,6 +190,7 @@ def test_engine_fused_decode_kernels_switch(fused, form):
     row; the decode attention one program per query head, or grouped with each row's pages split over
     programs of one-page tiles); either way every request equals one-request greedy decoding."""
     from helpers import naive_greedy
+
     from jaxgdn.engine import runner
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.llm_engine import LLMEngine

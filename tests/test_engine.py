@@ -209,8 +209,7 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
     every array with its shape, dtype and values (floats and uint32 bit-exact, bools as bools)."""
     import jax.numpy as jnp
 
-    from jaxgdn.engine.runner import pack_step_arrays, unpack_step_arrays
-    from jaxgdn.engine.step_layout import StepArrays
+    from jaxgdn.engine.step_layout import StepArrays, pack_step_arrays, unpack_step_arrays
 
     rng = np.random.default_rng(3)
     fields = {name: rng.integers(-5, 9, (4, 3) if name == "block_tables" else 5).astype(np.int32)
@@ -222,8 +221,9 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
     buf, layout = pack_step_arrays(arrays)
     assert buf.dtype == np.int32 and buf.ndim == 1
     out = unpack_step_arrays(jnp.asarray(buf), layout)
-    assert set(out) == set(fields) - {"row_kind"}
-    for name, value in out.items():
+    assert isinstance(out, StepArrays) and out.row_kind is None  # host bookkeeping stays on the host
+    for name in fields.keys() - {"row_kind"}:
+        value = getattr(out, name)
         assert value.dtype == fields[name].dtype and value.shape == fields[name].shape, name
         np.testing.assert_array_equal(np.asarray(value).view(np.uint8), fields[name].view(np.uint8), err_msg=name)
 
@@ -250,8 +250,7 @@ def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn.engine.runner import pack_step_arrays
-    from jaxgdn.engine.step_layout import build_step
+    from jaxgdn.engine.step_layout import build_step, pack_step_arrays
 
     eng = engine()
     for i in range(3):
@@ -289,9 +288,8 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn.engine import ragged_forward
-    from jaxgdn.engine import runner as runner_module
-    from jaxgdn.engine.runner import pack_step_arrays
+    from jaxgdn.engine import device_step, ragged_forward
+    from jaxgdn.engine.step_layout import pack_step_arrays
 
     eng = engine()
     seen = []
@@ -304,7 +302,7 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     args = (eng.runner.params, eng.runner.state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf), layout, False)
 
     def lowered_and_compiled():
-        step = jax.jit(functools.partial(runner_module._packed_step, cfg=CFG, policy=eng.policy, unguarded=False),
+        step = jax.jit(functools.partial(device_step.packed_step, cfg=CFG, policy=eng.policy, unguarded=False),
                        static_argnums=(4, 5))
         lowered = step.lower(*args)
         return lowered.as_text(), lowered.compile().as_text()

@@ -138,7 +138,6 @@ def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chai
     per query head or per KV head (grouped), or that with each row's page tiles split over programs (split);
     test_decode_attention.py runs the smaller cases interpreted on CPU."""
     import jax.numpy as jnp
-
     from test_decode_attention import assert_same_layer, attention_case, layout_for, run_layer
 
     dt = jnp.dtype(dtype)

@@ -25,10 +25,10 @@ from .memory import device_memory, plan_memory
 from .pd import export_handoff, import_handoff
 from .programs import ProgramSet, StepShape
 from .request import PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
-from .runner import ModelRunner, PendingStep, enable_compilation_cache, pack_step_arrays
+from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state
-from .step_layout import BlockTables, StepArrays, build_step, empty_step
+from .step_layout import BlockTables, StepArrays, build_step, empty_step, pack_step_arrays
 
 
 class LLMEngine:

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
 from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
@@ -35,7 +36,6 @@ from ..model.mtp import mtp_fc_input
 from ..model.norms import rms_norm_1p
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
-from ..model.pytree import pytree_dataclass
 from ..model.rope import rope_cos_sin
 from .pools import read_conv, read_ssm, write_conv, write_kv, write_ssm
 from .state import EngineState, GDNSlots, PagedKV
@@ -43,7 +43,7 @@ from .state import EngineState, GDNSlots, PagedKV
 Array = Any
 
 
-@pytree_dataclass
+@struct.dataclass
 class StepMeta:
     """A step's layout on the device (shapes are the program's: T tokens, R rows, MP pages a row)."""
 

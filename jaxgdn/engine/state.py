@@ -17,9 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ..model.config import FULL_ATTENTION, ModelConfig
-from ..model.pytree import pytree_dataclass
 from .config import EngineConfig
 
 Array = Any
@@ -47,19 +47,19 @@ class FreeList:
         self._free.extend(reversed(ids))
 
 
-@pytree_dataclass
+@struct.dataclass
 class PagedKV:
     k: Array  # [num_pages, page_size, Hkv, D]
     v: Array
 
 
-@pytree_dataclass
+@struct.dataclass
 class GDNSlots:
     conv: Array  # [num_slots, Kc-1+K, C]
     ssm: Array  # [num_slots, 1+K, Hv, dk, dv] fp32
 
 
-@pytree_dataclass
+@struct.dataclass
 class EngineState:
     layers: tuple  # per trunk layer: PagedKV or GDNSlots
     mtp_layers: tuple  # PagedKV per MTP layer (empty without MTP)

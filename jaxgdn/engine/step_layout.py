@@ -9,9 +9,10 @@ T and R are the program's (`programs.StepShape`): the step's tokens and rows com
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from pallas_kernels.ragged_attention import num_query_blocks, query_blocks
 
@@ -22,9 +23,10 @@ from .scheduler import ScheduledRow, runs_verify_path
 from .state import NULL_PAGE
 
 
-@dataclasses.dataclass
+@struct.dataclass
 class StepArrays:
-    """Numpy arrays of one step; field names match the device step's arguments."""
+    """One step's arrays: numpy on the host, then (`pack_step_arrays` / `unpack_step_arrays`) device arrays
+    inside the step program, with row_kind, host bookkeeping only, None there."""
 
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
@@ -142,3 +144,34 @@ def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays
     """A step of `shape` with no rows (every token and row padding): what start-up compiles each program on."""
     tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
     return build_step([], shape, ecfg, np.zeros(ecfg.num_slots, np.int32), tables, block_q)
+
+
+def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
+    """All of a step's host arrays as one int32 buffer (one host-to-device copy instead of ~20 small ones)
+    and its static layout ((name, shape, dtype), ...). float32/uint32 travel bit-cast, bools as 0/1."""
+    parts, layout = [], []
+    for name, x in vars(arrays).items():
+        if name == "row_kind":  # host-side bookkeeping only
+            continue
+        x = np.ascontiguousarray(x)
+        if x.dtype.itemsize != 4 and x.dtype != np.bool_:
+            raise TypeError(f"StepArrays.{name}: {x.dtype} does not travel in the int32 buffer")
+        parts.append(x.view(np.int32).ravel() if x.dtype.itemsize == 4 else x.astype(np.int32).ravel())
+        layout.append((name, x.shape, x.dtype.name))
+    return np.concatenate(parts), tuple(layout)
+
+
+def unpack_step_arrays(buf, layout: tuple) -> StepArrays:
+    """Inverse of pack_step_arrays on device: static slices of the int32 buffer, bit-cast back (row_kind,
+    host bookkeeping, is None)."""
+    out, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        x = buf[offset : offset + size].reshape(shape)
+        offset += size
+        if dtype == "bool":
+            x = x != 0
+        elif dtype != "int32":
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        out[name] = x
+    return StepArrays(**out, row_kind=None)

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.decode_attention import DecodeAttentionLayout, decode_attention_pooled, decode_attention_supports
@@ -30,7 +31,6 @@ from ..model.mlp import linear, linear_parts
 from ..model.norms import rms_norm_1p
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
-from ..model.pytree import pytree_dataclass
 from ..model.rope import rope_cos_sin
 from .ragged_forward import StepMeta, attention_ragged, gdn_ragged
 from .state import EngineState, GDNSlots, PagedKV
@@ -38,7 +38,7 @@ from .state import EngineState, GDNSlots, PagedKV
 Array = Any
 
 
-@pytree_dataclass
+@struct.dataclass
 class RowView:
     """A uniform step's [R, Q] view (device arrays)."""
 

@@ -10,26 +10,26 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from flax import struct
 
 from .config import FULL_ATTENTION, ModelConfig
-from .pytree import pytree_dataclass
 
 Array = Any
 
 
-@pytree_dataclass
+@struct.dataclass
 class KVCache:
     k: Array  # [B, S_max, Hkv, D], position p at index p
     v: Array  # [B, S_max, Hkv, D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class GDNState:
     conv: Array  # [B, Kc-1, C] last Kc-1 pre-conv inputs, oldest first (activation dtype)
     ssm: Array  # [B, Hv, dk, dv] recurrent state, always fp32
 
 
-@pytree_dataclass
+@struct.dataclass
 class ModelCache:
     layers: tuple  # per layer: KVCache or GDNState
     lengths: Array  # [B] int32 tokens already cached

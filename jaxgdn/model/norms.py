@@ -6,8 +6,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 from flax import struct
+
 
 def upcast(x):
     """x in fp32, or kept wider (fp64 parity runs): the dtype of all statistics and gate math."""

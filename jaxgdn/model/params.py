@@ -13,9 +13,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from .config import FULL_ATTENTION, ModelConfig
-from .pytree import pytree_dataclass
 
 Array = Any
 
@@ -24,7 +24,7 @@ FP32_TENSOR_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
 RESIDUAL_OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
 
-@pytree_dataclass
+@struct.dataclass
 class AttentionParams:
     q_proj: Array  # [2*Hq*D, H]: per head [query_h ‖ gate_h]
     k_proj: Array  # [Hkv*D, H]
@@ -35,7 +35,7 @@ class AttentionParams:
     fused: Array | None = None  # serving: [q_proj ‖ k_proj ‖ v_proj] (see fuse_projections)
 
 
-@pytree_dataclass
+@struct.dataclass
 class GDNParams:
     in_proj_qkv: Array  # [2*Kd + Vd, H]
     in_proj_z: Array  # [Vd, H]
@@ -49,7 +49,7 @@ class GDNParams:
     fused: Array | None = None  # serving: [in_proj_qkv ‖ in_proj_z ‖ in_proj_b ‖ in_proj_a]
 
 
-@pytree_dataclass
+@struct.dataclass
 class MLPParams:
     gate_proj: Array  # [I, H]
     up_proj: Array  # [I, H]
@@ -57,7 +57,7 @@ class MLPParams:
     fused: Array | None = None  # serving: [gate_proj ‖ up_proj]
 
 
-@pytree_dataclass
+@struct.dataclass
 class DecoderLayerParams:
     input_layernorm: Array | None  # [H] (1+w); None when folded into the projections (fold_norms)
     post_attention_layernorm: Array | None  # [H] (1+w); None when folded into the MLP's (fold_norms)
@@ -65,7 +65,7 @@ class DecoderLayerParams:
     mlp: MLPParams
 
 
-@pytree_dataclass
+@struct.dataclass
 class MTPParams:
     pre_fc_norm_embedding: Array  # [H] (1+w)
     pre_fc_norm_hidden: Array  # [H] (1+w)
@@ -74,7 +74,7 @@ class MTPParams:
     norm: Array  # [H] (1+w)
 
 
-@pytree_dataclass
+@struct.dataclass
 class ModelParams:
     embed_tokens: Array  # [V, H]
     layers: tuple  # of DecoderLayerParams, one per config layer
