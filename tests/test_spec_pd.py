@@ -291,10 +291,17 @@ def test_one_row_kind_drives_every_consumer(bug):
     cfg = ecfg(num_speculative_tokens=K, pd=True, reproduce_pd_mtp_bug=bug)
     P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
     seen = set()
-    original_run = D.runner.run
+    dispatch, fetch = D.runner.dispatch, D.runner.fetch
+    launched = {}  # id of a launch's pending results -> its arrays
 
-    def checked_run(arrays):
-        res = original_run(arrays)
+    def recorded_dispatch(arrays, *rest):
+        pending = dispatch(arrays, *rest)
+        launched[id(pending)] = arrays
+        return pending
+
+    def checked_fetch(pending):
+        (res,) = fetch(pending)  # PD runs one step a launch
+        arrays = launched.pop(id(pending))
         n_logits = np.diff(arrays.cu_num_logits)
         last = np.full(cfg.num_slots, -7, np.int32)  # a marker: where does last_sampled land?
         drafts = np.full((cfg.num_slots, K), -9, np.int32)
@@ -317,9 +324,9 @@ def test_one_row_kind_drives_every_consumer(bug):
                 assert 1 <= res.num_sampled[b] <= n_logits[b]
             else:
                 assert kind == RowKind.PREFILL_CHUNK and res.num_sampled[b] == 0
-        return res
+        return [res]
 
-    D.runner.run = checked_run
+    D.runner.dispatch, D.runner.fetch = recorded_dispatch, checked_fetch
     prompts = [prompt(800 + i, 3 + 5 * i) for i in range(6)]
     run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=5)] * len(prompts))
     assert (RowKind.PROMPT_TAIL, True) in seen and (RowKind.SPEC_VERIFY, False) in seen

@@ -22,7 +22,6 @@ from ..model.params import ModelParams, serving_layout
 from ..model.policy import KernelPolicy
 from .config import EngineConfig
 from .memory import device_memory, plan_memory
-from .pd import export_handoff, import_handoff
 from .programs import ProgramSet, StepShape
 from .request import PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
 from .runner import ModelRunner, PendingStep, enable_compilation_cache
@@ -85,9 +84,6 @@ class LLMEngine:
         self.drafted_per_position = np.zeros(max(self.K, 1), np.int64)
         self.accepted_per_position = np.zeros(max(self.K, 1), np.int64)
         self.num_verify_rows = 0
-        # PD: handoffs this engine exported (prefill worker) and the bytes it imported (decode worker).
-        self.handoffs_out: list = []
-        self.handoff_bytes_in = 0
         # Test hook: replace the MTP drafts of a request before they are verified (adversarial drafts).
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         # Async scheduling: the dispatched step whose results are not applied yet.
@@ -161,24 +157,6 @@ class LLMEngine:
             return str(e)
         return None
 
-    def add_prefill_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
-        """PD prefill worker: compute prompt[:-1] and export a Handoff (in `handoffs_out`)."""
-        rid = self.add_request(list(prompt_token_ids[:-1]), params)
-        req = self.requests[rid]
-        req.prefill_only = True
-        req.next_prompt_token = int(prompt_token_ids[-1])
-        return rid
-
-    def add_handoff(self, handoff) -> int:
-        """PD decode worker: queue a request whose first num_computed tokens arrive as state."""
-        rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params)
-        req = self.requests[rid]
-        if req.error is None and handoff.num_computed:
-            req.num_computed = handoff.num_computed
-            req.handoff = handoff
-            self.handoff_bytes_in += handoff.nbytes
-        return rid
-
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -192,62 +170,25 @@ class LLMEngine:
         return self.runner.timings
 
     def step(self) -> SchedulerOutput:
-        """Schedule and run one step; returns what was scheduled. With async scheduling the results
-        applied during this call are those of the previous step (this step's are still on the device), and
-        the launch may run decode_steps_per_launch decode steps. num_steps counts model steps,
-        num_launches device launches."""
-        if self.async_scheduling and self.draft_override is None:
-            return self._step_async()
-        self._apply_in_flight()  # (a test hook set after async steps: finish them first)
+        """Schedule and launch one step (with decode_steps_per_launch, a launch of several); returns what was
+        scheduled. Synchronous scheduling applies the launch's results before returning; async scheduling
+        (the default) applies the previous launch's instead, so the host's work overlaps the device's (see
+        `_launch`). The launch in flight is applied first when the coming schedule could preempt (not enough
+        free pages for every running request's next window: a preempted request is recomputed from its real
+        tokens) and, with MTP, when a running request is within one launch of max_model_len (so every verify
+        window is scheduled as the synchronous engine would). num_steps counts model steps, num_launches
+        device launches."""
+        asynchronous = self.async_scheduling and self.draft_override is None
+        if self._in_flight is not None and (not asynchronous or self.scheduler.may_preempt()
+                                            or self._near_length_limit()):
+            self._apply_in_flight()
         out = self._schedule()
-        if not out.rows:
-            return out
-        # Several verify steps per launch (MTP): the device moves each row on by what it accepted. Not with
-        # the test hook that rewrites drafts between steps, nor on a PD worker (its handoffs).
-        num_steps = 1
-        if self.K and self.draft_override is None and not self.ecfg.pd:
-            num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
-        arrays, shape = self._prepare(out, num_steps=num_steps)
-        results = ([self.runner.run(arrays)] if num_steps == 1  # a ragged program
-                   else self.runner.fetch(self.runner.dispatch(arrays, num_steps, shape.width)))
-        self.num_steps += num_steps
-        self.num_launches += 1
-        now = time.perf_counter()
-        t = 0
-        for b, row in enumerate(out.rows):
-            for res in results:
-                if row.request.status is RequestStatus.FINISHED:  # stopped in an earlier step of the launch
-                    break
-                self._apply_row(row, b, t, res, now)
-            t += row.num_tokens
-        self.timings["update"] += time.perf_counter() - now
+        previous, self._in_flight = self._in_flight, (self._launch(out) if out.rows else None)
+        if previous is not None:
+            self._apply(previous)
+        if not asynchronous:
+            self._apply_in_flight(sync=True)
         return out
-
-    def _apply_row(self, row, b: int, t: int, res, now: float) -> None:
-        """Synchronous scheduling: one step's results for row b (its tokens from flat index t)."""
-        req = row.request
-        self._record_inputs(req, req.num_computed, res.input_ids[t : t + row.num_tokens])
-        n_draft = len(row.spec_tokens)
-        n_sampled = int(res.num_sampled[b])
-        num_rejected = n_draft - (n_sampled - 1) if row.samples else 0
-        req.num_computed += row.num_tokens - num_rejected
-        if row.kind == RowKind.SPEC_VERIFY:
-            self._count_acceptance(req, n_draft, n_sampled - 1)
-        if row.samples:
-            for token in res.tokens[b, :n_sampled]:
-                req.output_token_ids.append(int(token))
-                self._finish_if_done(req, int(token), now)
-                if req.status is RequestStatus.FINISHED:
-                    break
-            if req.status is RequestStatus.RUNNING and self.K:
-                drafts = [int(d) for d in res.drafts[b]]
-                req.spec_token_ids = self.draft_override(req, drafts) if self.draft_override else drafts
-                if self.draft_override:
-                    self.runner.set_drafts(req.slot, req.spec_token_ids)
-        elif req.prefill_only and req.num_computed == req.prefill_len:
-            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
-                                                    req.prompt_token_ids + [req.next_prompt_token]))
-            self.scheduler.finish(req, "handoff")
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -259,16 +200,11 @@ class LLMEngine:
 
     def _prepare(self, out: SchedulerOutput, rebase: list[bool] | None = None,
                  num_steps: int = 1) -> tuple[StepArrays, StepShape]:
-        """Import admitted PD handoffs into their fresh slots and build the step's host arrays in the shape
-        of its program: a uniform program for a launch of num_steps > 1, else the ragged program of its
-        tokens and rows (rebase: see build_step)."""
+        """Build the step's host arrays in the shape of its program: a uniform program for a launch of
+        num_steps > 1, else the ragged program of its tokens and rows (rebase: see build_step)."""
         for row in out.rows:
-            req = row.request
-            self.slot_prefill_len[req.slot] = req.prefill_len
-            if req.handoff is not None:  # admitted this step: its state goes into the fresh slot/pages
-                self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
-                                                   self.device)
-                req.handoff = None
+            self.slot_prefill_len[row.request.slot] = row.request.prefill_len
+            self._admitted(row.request)
         t0 = time.perf_counter()
         rows = out.rows
         shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
@@ -277,58 +213,52 @@ class LLMEngine:
         self.timings["build"] += time.perf_counter() - t0
         return arrays, shape
 
+    def _admitted(self, req: Request) -> None:
+        """Called for every row's request as its step is prepared (a PD decode worker imports handoffs here)."""
+
+    def _applied(self, req: Request) -> None:
+        """Called for every row's request once its launch's results are applied (a PD prefill worker exports
+        finished prompts here)."""
+
     def _record_inputs(self, req: Request, start: int, ids) -> None:
         if self.record_inputs:
             self.fed_tokens.setdefault(req.request_id, []).extend((start + i, int(t)) for i, t in enumerate(ids))
 
-    # ------------------------------------------------------------------------------------ async scheduling
-    def _step_async(self) -> SchedulerOutput:
-        """Schedule and launch step n+1 before step n's tokens come back, so host work overlaps the device.
+    # ------------------------------------------------------------------------------------ launches
+    def _launch(self, out: SchedulerOutput) -> "_InFlight":
+        """Dispatch the scheduled rows and book their results before they come back.
 
         Exact because the sampled tokens and drafts reach the next step on the device (last_sampled,
         draft_tokens), never through the host. A sampling row appends placeholder outputs, filled when its
-        step's results are applied. Without MTP every row advances by its token count whatever it samples.
+        launch's results are applied. Without MTP every row advances by its token count whatever it samples.
         With MTP a verify row emits 1..1+K tokens a step, known only on the device: the host books its
         launch as if every draft were accepted (num_computed, placeholders, pages), flags the request's
-        next row to start where the device's count says (rebase), and when the results come back removes
-        the placeholders left unfilled and takes them off num_computed. A request whose step n token ends it
-        (stop token, length) was already scheduled in step n+1: that row's work is discarded. A request
-        whose last allowed token is surely in flight is not scheduled again. The step in flight is applied
-        first when the coming schedule could preempt (not enough free pages for every running request's
-        next window: a preempted request is recomputed from its real tokens) and, with MTP, when a running
-        request is within one launch of max_model_len (so every verify window is scheduled as the
-        synchronous engine would). A launch of several steps (Scheduler.launch_steps) books each row's
-        launch_steps."""
-        if self._in_flight is not None and (self.scheduler.may_preempt() or self._near_length_limit()):
-            self._apply_in_flight()
-        out = self._schedule()
-        flight = None
-        if out.rows:
-            num_steps = self.scheduler.launch_steps(out, self.decode_steps_per_launch)
-            in_flight = {id(row.request) for row in self._in_flight.out.rows} if self._in_flight else set()
-            rebase = [id(row.request) in in_flight for row in out.rows]
-            arrays, shape = self._prepare(out, rebase, num_steps)
-            pending = self.runner.dispatch(arrays, num_steps, shape.width)
-            self.num_steps += num_steps
-            self.num_launches += 1
-            starts, out_index, excess = [], [], []
-            for row in out.rows:
-                req = row.request
-                starts.append(req.num_computed)
-                excess.append(req.spec_excess)
-                req.num_computed += row.launch_steps * row.num_tokens  # every draft accepted, every step
-                out_index.append(len(req.output_token_ids) if row.samples else -1)
-                if row.samples:
-                    req.output_token_ids += [PLACEHOLDER_TOKEN] * _booked_outputs(row)
-                    req.output_slack += _booked_outputs(row) - min(row.launch_steps, row.token_budget)
-                    if self.K:  # the drafts it proposes are on the device: the next row verifies K
-                        req.spec_token_ids = [PLACEHOLDER_TOKEN] * self.K
-                    req.awaiting_final_token = self._length_reached(req, req.num_outputs_lower_bound)
-            flight = _InFlight(out, pending, starts, out_index, excess)
-        previous, self._in_flight = self._in_flight, flight
-        if previous is not None:
-            self._apply(previous)
-        return out
+        next row to start where the device's count says (rebase) while this launch is in flight, and when the
+        results come back removes the placeholders left unfilled and takes them off num_computed. A request
+        whose token ends it (stop token, length) may already have a row in the next launch: that row's work is
+        discarded. A request whose last allowed token is surely in flight is not scheduled again. A launch of
+        several steps (Scheduler.launch_steps) books each row's launch_steps."""
+        num_steps = self.scheduler.launch_steps(out, 1 if self.draft_override else self.decode_steps_per_launch)
+        in_flight = {id(row.request) for row in self._in_flight.out.rows} if self._in_flight else set()
+        rebase = [id(row.request) in in_flight for row in out.rows]
+        arrays, shape = self._prepare(out, rebase, num_steps)
+        pending = self.runner.dispatch(arrays, num_steps, shape.width)
+        self.num_steps += num_steps
+        self.num_launches += 1
+        starts, out_index, excess = [], [], []
+        for row in out.rows:
+            req = row.request
+            starts.append(req.num_computed)
+            excess.append(req.spec_excess)
+            req.num_computed += row.launch_steps * row.num_tokens  # every draft accepted, every step
+            out_index.append(len(req.output_token_ids) if row.samples else -1)
+            if row.samples:
+                req.output_token_ids += [PLACEHOLDER_TOKEN] * _booked_outputs(row)
+                req.output_slack += _booked_outputs(row) - min(row.launch_steps, row.token_budget)
+                if self.K:  # the drafts it proposes are on the device: the next row verifies K
+                    req.spec_token_ids = [PLACEHOLDER_TOKEN] * self.K
+                req.awaiting_final_token = self._length_reached(req, req.num_outputs_lower_bound)
+        return _InFlight(out, pending, starts, out_index, excess)
 
     def _near_length_limit(self) -> bool:
         """MTP: a running request might be within one launch of verify windows of max_model_len, where the
@@ -338,34 +268,33 @@ class LLMEngine:
         reach = self.decode_steps_per_launch * (1 + self.K) + self.K
         return any(r.num_computed + reach > self.ecfg.max_model_len for r in self.scheduler.running)
 
-    def _apply_in_flight(self) -> None:
+    def _apply_in_flight(self, sync: bool = False) -> None:
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
-            self._apply(previous)
+            self._apply(previous, sync)
 
-    def _apply(self, flight: "_InFlight") -> None:
+    def _apply(self, flight: "_InFlight", sync: bool = False) -> None:
         """Fill the placeholders of a dispatched launch with its sampled tokens (step by step), count
         acceptance, finish requests; with MTP, drop the placeholders a verify row left unfilled and take
-        them off num_computed."""
+        them off num_computed. sync (synchronous scheduling, no later launch booked): the drafts come to the
+        host too, through the draft_override test hook where one is set."""
         results = self.runner.fetch(flight.pending)
         now = time.perf_counter()
         t = 0
         for b, row in enumerate(flight.out.rows):
             req = row.request
-            steps = results[: row.launch_steps]
+            tokens_in = slice(t, t + row.num_tokens)
+            t += row.num_tokens
+            if req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
+                continue
             # unused placeholders of this request's earlier launches, removed after this one was booked
             removed = req.spec_excess - flight.excess[b]
-            start = flight.starts[b] - removed
-            for res in steps:
-                self._record_inputs(req, start, res.input_ids[t : t + row.num_tokens])
+            start, i, emitted = flight.starts[b] - removed, flight.out_index[b] - removed, 0
+            for res in results[: row.launch_steps]:  # step by step, up to the one its request ends in
+                self._record_inputs(req, start, res.input_ids[tokens_in])
                 start += int(res.num_sampled[b]) if row.samples else row.num_tokens
-            t += row.num_tokens
-            i = flight.out_index[b]
-            if i < 0 or req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
-                continue
-            i -= removed
-            emitted = 0
-            for res in steps:
+                if not row.samples:
+                    continue
                 n = int(res.num_sampled[b])
                 if row.kind == RowKind.SPEC_VERIFY:
                     self._count_acceptance(req, len(row.spec_tokens), n - 1)
@@ -378,12 +307,21 @@ class LLMEngine:
                 if req.status is RequestStatus.FINISHED:
                     del req.output_token_ids[i + emitted :]  # placeholders of steps after this token
                     break
-            else:
+            if req.status is RequestStatus.FINISHED:
+                continue
+            self._applied(req)
+            if row.samples:
                 unused = _booked_outputs(row) - emitted
                 del req.output_token_ids[i + emitted : i + emitted + unused]
                 req.num_computed -= unused
                 req.spec_excess += unused
                 req.output_slack -= _booked_outputs(row) - min(row.launch_steps, row.token_budget)
+                if sync and self.K:
+                    drafts = [int(d) for d in results[row.launch_steps - 1].drafts[b]]
+                    if self.draft_override is not None:
+                        drafts = self.draft_override(req, drafts)
+                        self.runner.set_drafts(req.slot, drafts)
+                    req.spec_token_ids = drafts
         self.timings["update"] += time.perf_counter() - now
 
     def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:

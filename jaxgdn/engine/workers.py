@@ -5,15 +5,29 @@ from __future__ import annotations
 from typing import Callable
 
 from .llm_engine import LLMEngine
-from .pd import Handoff
-from .request import SamplingParams
+from .pd import Handoff, export_handoff, import_handoff
+from .request import Request, SamplingParams
 
 
 class PrefillWorker(LLMEngine):
-    """Runs prompt[:-1] of each request and exports a Handoff when it is done."""
+    """Runs prompt[:-1] of each request and exports a Handoff when it is done (in `handoffs_out`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handoffs_out: list[Handoff] = []
 
     def submit(self, prompt: list[int], params: SamplingParams) -> int:
-        return self.add_prefill_request(prompt, params)
+        rid = self.add_request(list(prompt[:-1]), params)
+        req = self.requests[rid]
+        req.prefill_only = True
+        req.next_prompt_token = int(prompt[-1])
+        return rid
+
+    def _applied(self, req: Request) -> None:
+        if req.prefill_only and req.num_computed == req.prefill_len:
+            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
+                                                    req.prompt_token_ids + [req.next_prompt_token]))
+            self.scheduler.finish(req, "handoff")
 
     def pop_handoffs(self) -> list[Handoff]:
         out, self.handoffs_out = self.handoffs_out, []
@@ -23,8 +37,25 @@ class PrefillWorker(LLMEngine):
 class DecodeWorker(LLMEngine):
     """Imports Handoffs into fresh pages/slots and serves the request from the prompt tail on."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handoff_bytes_in = 0
+
     def submit(self, handoff: Handoff) -> int:
-        return self.add_handoff(handoff)
+        """Queue a request whose first num_computed tokens arrive as state."""
+        rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params)
+        req = self.requests[rid]
+        if req.error is None and handoff.num_computed:
+            req.num_computed = handoff.num_computed
+            req.handoff = handoff
+            self.handoff_bytes_in += handoff.nbytes
+        return rid
+
+    def _admitted(self, req: Request) -> None:
+        if req.handoff is not None:  # admitted this step: its state goes into the fresh slot and pages
+            self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
+                                               self.device)
+            req.handoff = None
 
 
 def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
