@@ -147,7 +147,7 @@ def load_problems(args) -> list[task.Problem]:
 
 
 def write_results(args, model: str, num_problems: int, results: list[ConfigResult]) -> Path:
-    from .bench import environment, write_result
+    from .results import environment, write_result
 
     payload = {
         "env": environment(),

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from .common import on_gpu
-from .gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+from .gdn_chunked import gdn_chunked_pallas
+from .gdn_pallas import gdn_recurrent_pallas
 
 CHUNK_SIZE = 64
 

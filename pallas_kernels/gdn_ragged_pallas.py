@@ -10,7 +10,7 @@ in place (Triton lowering on a GPU, interpret mode on CPU); `gdn_ragged.gdn_ragg
 A row of at most SHORT_ROW tokens (decode, prompt tails, verify windows, short prompts) runs the token loop of
 `_short_rows_kernel`, one program per (row, value head, dv tile) holding its state tile in registers; a
 verify row writes the state after each of its first W tokens to checkpoints 0..W-1, any other row its final
-state to checkpoint 0. Longer rows (prompt chunks) run the chunked (WY) form of `gdn_pallas` over chunks of
+state to checkpoint 0. Longer rows (prompt chunks) run the chunked (WY) form of `gdn_chunked` over chunks of
 CHUNK tokens that never cross a row: `_prep_kernel` and `_output_parts_kernel` over every chunk in parallel,
 then `_scan_kernel` walks each long row's chunks with its state in registers and writes the final state. The
 chunk table (`chunk_tables`) is built on the device from query_start_loc; its length is fixed by T and R.
@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .common import interpret_default, triton_params
-from .gdn_pallas import CHUNK, SUB, _chunk_inverse, _delta_step, _dot, _inv_norm, _value_block
+from .gdn_chunked import CHUNK, SUB, _chunk_inverse
+from .gdn_pallas import _delta_step, _dot, _inv_norm, _value_block
 
 f32 = jnp.float32
 SHORT_ROW = 16  # rows of up to this many tokens run the token loop
@@ -105,7 +106,7 @@ def _short_rows_kernel(qsl_ref, slot_ref, start_ref, fresh_ref, verify_ref, q_re
 
 def _prep_kernel(cstart_ref, clen_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group,
                  dtype):
-    """One (chunk, value head): `gdn_pallas._prep_kernel`'s γ, (I+A)⁻¹, U, W and key scale for the chunk's tokens
+    """One (chunk, value head): `gdn_chunked._prep_kernel`'s γ, (I+A)⁻¹, U, W and key scale for the chunk's tokens
     of the stream, stored at the chunk's rows of the chunk-major outputs; tokens past its length are zeros."""
     from jax.experimental.pallas import triton as plt
 
@@ -144,7 +145,7 @@ def _prep_kernel(cstart_ref, clen_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
 
 def _output_parts_kernel(cstart_ref, clen_ref, q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, scale, dtype):
     """One (chunk, value head): intra = (QKᵀ ⊙ Dec) and the query factor qf = scale e^γ / |q| of
-    `gdn_pallas._output_parts_kernel` for the chunk's tokens of the stream (zeros past its length)."""
+    `gdn_chunked._output_parts_kernel` for the chunk's tokens of the stream (zeros past its length)."""
     from jax.experimental.pallas import triton as plt
 
     c, h = pl.program_id(0), pl.program_id(1)

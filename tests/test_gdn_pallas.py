@@ -9,7 +9,8 @@ import pytest
 from test_gdn_core import random_inputs
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
-from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_chunked_pallas, gdn_recurrent_pallas
+from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_recurrent_pallas
 
 
 def pack_qkv(q, k, v):
@@ -247,7 +248,7 @@ def test_kernels_lower_to_triton_without_a_gpu(kernel):
 def test_scan_pipeline_depth_fits_the_shared_memory():
     """fp32 inputs at dk = 128: the scan's 3-stage pipeline would ask 240 KiB of the H200's 227 KiB and not
     compile; the depth is lowered to 2 there, kept for bf16, and the lowered call carries it."""
-    from pallas_kernels.gdn_pallas import SCAN_SHARED_MEMORY_BUDGET, scan_pipeline_depth
+    from pallas_kernels.gdn_chunked import SCAN_SHARED_MEMORY_BUDGET, scan_pipeline_depth
 
     assert scan_pipeline_depth(3, 128, 16, 4) == 2
     assert scan_pipeline_depth(3, 128, 16, 2) == 3

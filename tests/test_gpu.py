@@ -68,7 +68,8 @@ def test_pallas_gdn_kernels_compiled_equal_reference(shape):
 
     from jaxgdn.model.norms import gated_rms_norm
     from pallas_kernels.gdn import gdn_recurrent_checkpoints
-    from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+    from pallas_kernels.gdn_pallas import gdn_recurrent_pallas
 
     B, T, Hk, Hv, dk, dv = shape
     q, k, v, g, beta, s0 = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=T)

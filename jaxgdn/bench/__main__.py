@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
-from .common import environment, write_result
+from ..results import environment, write_result
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
 

@@ -1,50 +1,12 @@
-"""Shared pieces of the benchmarks: environment record, result files, timing, measured machine rates."""
+"""Shared pieces of the benchmarks: timing, measured machine rates, profiles."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
-
-RESULTS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "results"
-
-
-def environment() -> dict:
-    """Device, versions and date for every result file."""
-    import jax
-    import jaxlib
-
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(jax.devices()[0].device_kind),
-        "num_devices": jax.device_count(),
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. command-buffer (CUDA graph) settings
-    }
-    for name in ("torch", "transformers", "triton", "fla", "jax_triton"):
-        try:
-            env[name] = __import__(name).__version__
-        except Exception:
-            env[name] = None
-    return env
-
-
-def write_result(name: str, payload: dict, path: Path | None = None) -> Path:
-    """Write payload as JSON to path, default bench/results/<name>_<backend>_<date>.json."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-    path = path or RESULTS_DIR / f"{name}_{payload['env']['backend']}_{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
 
 
 def time_calls(call, sync, iters: int = 20, repeats: int = 5, warmup: int = 2) -> float:

@@ -62,7 +62,8 @@ def bench_kernels(args) -> dict:
     import jax.numpy as jnp
 
     from pallas_kernels.gdn import gdn_chunked, gdn_recurrent_checkpoints
-    from pallas_kernels.gdn_pallas import gdn_chunked_pallas, gdn_recurrent_pallas
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+    from pallas_kernels.gdn_pallas import gdn_recurrent_pallas
 
     try:
         import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import RESULTS_DIR
+from ..results import RESULTS_DIR
 
 
 def _fmt(x, spec=".3f"):
