@@ -1,9 +1,8 @@
 """The gated attention layer of decode and spec-verify rows as one Pallas kernel, between its two products.
 
-Between the fused q/k/v projection and o_proj, a decode step's attention layer ran ~15 XLA kernels at batch 1
-on the H200 (the q/k RMSNorms, RoPE, the KV write, the gather of each row's pages, scores, softmax, P·V, the
-sigmoid gate; ~16 us a layer, bench/results/decode-kernels-fold-probe_gpu_20261202.json). This kernel does it
-all: one program per (row, query head) normalizes and rotates its query and its KV head's keys for the
+Between the fused q/k/v projection and o_proj, a decode step's attention layer is ~15 small XLA kernels (the
+q/k RMSNorms, RoPE, the KV write, the gather of each row's pages, scores, softmax, P·V, the sigmoid gate),
+each a launch and a pass over its operands. This kernel does it all: one program per (row, query head) normalizes and rotates its query and its KV head's keys for the
 row's few new tokens, writes the new K/V into the paged pools in place, attends over the row's pages (keys
 written by earlier steps) and over the new keys held in registers, and stores the gated output in o_proj's
 input layout. Reading this step's keys from registers rather than from the pages the kernel writes means
@@ -170,9 +169,7 @@ def _attention_kernel(y_ref, *refs, Q, Hq, Hkv, D, rot, eps, scaled, PB):
     product, normed_rotated = _head_reader(read_product, qn_ref, kn_ref, cos_ref, sin_ref, r, D, rot, eps, dtype)
     tile, rows = _page_tiles(k_pool_ref, v_pool_ref, bt_ref, r, hk, PB)
     # The first tile's loads go out before the prologue below (norms, RoPE, the KV write), so at small grids
-    # their latency hides behind it: kernel us a layer at batch 1 6.23 against 6.35, batch 8 6.65 against
-    # 6.78, batch 64 (one-page tiles) 15.24 against 15.10 (decode-attention-probe-r24 / -probe-2). They may
-    # read the cells this step writes: those are selected out (`old`).
+    # their latency hides behind it. They may read the cells this step writes: those are selected out (`old`).
     first_tile = tile(0)
 
     k_lo, v_lo = 2 * Hq * D + hk * D, 2 * Hq * D + Hkv * D + hk * D

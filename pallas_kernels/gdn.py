@@ -148,8 +148,8 @@ def runs_chunked_pallas(impl: str, T: int) -> bool:
 
 def use_prompt_conv_kernel(impl: str, T: int) -> bool:
     """Whether the GDN layer's conv over rows of T tokens runs as `conv_pallas.causal_conv_prompt`: long
-    rows (above RECURRENT_MAX_T) where `impl` runs the chunked Pallas kernel. On the H200 at 8192 tokens
-    it replaced XLA's fused conv and q/k/v slices (bench/results/prompt-conv-probe-r10b_gpu_20261201.json)."""
+    rows (above RECURRENT_MAX_T) where `impl` runs the chunked Pallas kernel: it writes q, k and v straight
+    from the conv, without XLA's slices."""
     return T > RECURRENT_MAX_T and runs_chunked_pallas(impl, T)
 
 

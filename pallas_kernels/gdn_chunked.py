@@ -53,9 +53,7 @@ f32 = jnp.float32
 def _unit_lower_inverse(a):
     """(I + a)⁻¹ for a strictly lower [n, n] fp32 tile, by forward substitution one row at a time:
     row i of the inverse is e_i - a_i · (rows < i of the inverse). Backward stable, unlike power series.
-    Unrolled: as a loop (fla's form) the prep kernel took 185 µs against 171 at 1x8192, and reading rows
-    off aᵀ (no layout change between a step's two reductions) 180 against 173
-    (bench/results/gdn-solve-scan-probe-r1/-r2_gpu_20261202.json; code in commit 8cc9ca1)."""
+    Unrolled: faster than fla's loop form here."""
     n = a.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
@@ -72,8 +70,8 @@ def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
     γ ([SUB] each): {(i, j): T_ij [SUB, SUB] fp32} for j <= i.
 
     The L2 norm, β and the decays are per-row scales folded into the [SUB, SUB] tiles,
-    A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ), so no [CHUNK, dk] fp32 copies of the keys are live: r9 held three
-    and its prep took 250 µs a layer at 8192 tokens (bench/results/gdn-prep-probe_gpu_20261201.json)."""
+    A_ij = β_i n_i n_j e^{γ_i-γ_j} (K_i K_jᵀ), so no [CHUNK, dk] fp32 copies of the keys are live (they would
+    spill registers)."""
     nsub = len(ks)
     ri = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     ci = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
@@ -87,8 +85,7 @@ def _chunk_inverse(ks, inv_norm, betas, gam, dtype):
 
     A = {(i, j): a_block(i, j) for i in range(nsub) for j in range(i)}
     # The block combination's [16, 16] products run on TF32 tensor cores when the model's operands are bf16
-    # (fla's choice; W and U are stored in bf16 anyway): the prep kernel 151 µs against 171 with exact fp32
-    # FMA products at 1x8192 (gdn-solve-scan-probe-r2). fp32 runs keep exact products.
+    # (fla's choice; W and U are stored in bf16 anyway); fp32 runs keep exact products.
     tf32 = jnp.dtype(dtype) != jnp.dtype(f32)
     inv = {}
     for i in range(nsub):
@@ -104,11 +101,8 @@ def _prep_kernel(k_ref, v_ref, *refs, group, dtype, gates):
     """One (row, value head, chunk): γ, the blocked (I+A)⁻¹ (`_chunk_inverse`), U_i = Σ_j (T_ij β_j) V_j,
     W_i = Σ_j (T_ij β_j n_j e^{γ_j}) K_j and the per-token key scale n e^{γ_last-γ} for the scan.
 
-    Keys and values stay raw in their input dtype (the matmul operands as loaded). The scan scales V'
-    rather than reading scaled keys Kd = n e^{γ_last-γ} K stored here (r18): 127 µs against 151 at 1x8192
-    without that [T, dk] store, the scan 163 against 157 (bench/results/gdn-split-prep-probe-r1/-r2).
-    Split in two as fla does (the inverse through memory, W and U as [64, 64] x [64, d] products) it took
-    86 + 48 µs at best (1-warp solve); on 1 warp fused, 181 (same probe; code in commit 6d74217)."""
+    Keys and values stay raw in their input dtype (the matmul operands as loaded). The scan scales V' rather
+    than reading scaled keys Kd = n e^{γ_last-γ} K stored here: that saves a [T, dk] store and load."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     nsub = CHUNK // SUB

@@ -1,9 +1,8 @@
 """The GDN layer's mixer for decode and spec-verify rows as one Pallas kernel, between its two products.
 
-Between the fused in_proj product and out_proj, a decode step's GDN layer ran five kernels at batch 1 on the
-H200: the folded norm's 1/rms applied to the product, the gates, the conv (`conv_pallas.causal_conv_pooled`),
-the recurrence (`gdn_pallas.gdn_recurrent_pooled`) and the gated RMS norm, ~9 us a layer at 1.2-2.8 us
-each (bench/results/decode-kernels-fold-probe_gpu_20261202.json). This kernel does all of it. One program
+Between the fused in_proj product and out_proj, a decode step's GDN layer otherwise runs five kernels: the
+folded norm's 1/rms applied to the product, the gates, the conv (`conv_pallas.causal_conv_pooled`), the
+recurrence (`gdn_pallas.gdn_recurrent_pooled`) and the gated RMS norm. This kernel does all of it. One program
 per (row, key head) owns the conv channels of its key head's q and k and of its value heads' v, so reading
 a window from the pool and writing the new one in place never races; it convolves them, computes the gates,
 runs the delta rule on each value head's whole [dk, dv] state read from the pool (the gated norm needs whole

@@ -94,9 +94,7 @@ def _value_block(dv: int, programs: int, target_programs: int = 256) -> int:
 
 def _delta_step(q, k, v, g, beta, scale, S):
     """One token of the recurrence on a [dk, BV] state tile: q, k [dk] (raw: L2-normed here), v [BV],
-    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32). (Taking the output from
-    the state as loaded, e^g Sᵀq + δ (k·q), so it need not wait on the update, did not pay in the pool
-    kernel: within 1% at batch 32-128, `gdn-pool-probe-r27`.)"""
+    g, beta scalars. Decay, delta-rule write; returns (S, output row [BV] fp32)."""
     q = _l2norm(q.astype(f32)) * scale
     k = _l2norm(k.astype(f32))
     S = S * jnp.exp(g)
@@ -202,9 +200,8 @@ def pooled_kernel_supports(dk: int, dv: int) -> bool:
 
 
 def pool_warps(T: int) -> int:
-    """Warps of a pool-kernel program: 4 for decode rows, 2 for verify windows (T >= 2), where 4 spend
-    10-17% more at batch 32-128 (`gdn-pool-probe-r26b`; batch 64: T = 2 62.1 against 72.0 us a layer,
-    T = 4 102.9 against 115.1)."""
+    """Warps of a pool-kernel program: 4 for decode rows, 2 for verify windows (T >= 2), whose longer loop
+    gains more from two programs an SM scheduler."""
     return 4 if T == 1 else 2
 
 
@@ -222,10 +219,7 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
-    load and stores (read once, written once): with 2 warps 3-7% faster on verify windows, within 1.5% on
-    decode rows (`gdn-pool-probe-r26b`: batch 64 T = 4 95.5 against 102.9 us a layer). Decode rows on fewer
-    programs that each walk several tiles, loading the next tile's state before updating the current one, were
-    no faster (batch 64 40.3 us at best against 39.7; `gdn-pool-persistent-probe-r40`, code in aee8228).
+    load and stores (read once, written once, so they need not hold L2 lines others could use).
     """
     B, T, C = qkv.shape
     _, W, Hv, dk, dv = pool.shape
@@ -269,9 +263,8 @@ class OutputGate(NamedTuple):
 
 
 class GateSource(NamedTuple):
-    """The GDN gates for the prep kernel to compute from the input projection in place, as
-    `jaxgdn.gdn.gdn_gates` and the padding mask do in XLA: two small kernels a layer there (4.2 us at 8192
-    tokens, plus their launch gaps), ~3.9 us more in the prep kernel (bench/results/prefill-r31-new_gpu_20261203.json).
+    """The GDN gates for a kernel to compute from the input projection in place, as `jaxgdn.gdn.gdn_gates` and
+    the padding mask do in XLA, where they are two small kernels a layer of their own.
 
     source [B, T, N]: value head h's b at column b_offset + h and its a at b_offset + Hv + h (the fused
     projection's whole product); A_log, dt_bias [Hv]; num_valid [B] real tokens per row (steps past it

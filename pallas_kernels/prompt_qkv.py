@@ -1,9 +1,8 @@
 """The attention layer's q/k/v from its fused projection for many tokens at once (prefill), as one Pallas kernel.
 
-Between the fused q/k/v product and the attention, XLA ran six kernels a layer at a long prompt: a copy of the
-query columns out of the product, the q RMSNorm (a Triton fusion), RoPE on q (a concatenate fusion), the same
-two for k, and a copy of v: ~82 us a layer at 8192 tokens on the H200, ~2.5 passes over q's bytes
-(bench/results/prefill-dump-r30_gpu_20261203.json). This kernel reads each head's columns of the product
+Between the fused q/k/v product and the attention, XLA runs six kernels a layer at a long prompt: a copy of the
+query columns out of the product, the q RMSNorm, RoPE on q, the same two for k, and a copy of v, ~2.5 passes
+over q's bytes. This kernel reads each head's columns of the product
 once and writes the normed, rotated q and k and the v the attention reads: one program per (row, tile of
 BT tokens, head), the heads being the Hq query heads, then the Hkv key heads, then the Hkv value heads.
 

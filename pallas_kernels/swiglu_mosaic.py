@@ -1,11 +1,9 @@
 """The MLP's gate/up product with SiLU(gate) * up in its epilogue, as one Mosaic GPU kernel (Hopper wgmma).
 
 At prompt sizes XLA runs the fused gate/up product ([T, 2I] in bf16, cuBLAS) and then a separate pass
-reading that product and writing SiLU(gate) * up ([T, I]); at 8192 tokens of the 0.8B config the pass is
-~44 us of a layer's ~190 (bench/results/mlp-forms-probe_gpu_20261202.json). Here each CTA computes the
-gate and the up tile of the same output columns in two accumulators and stores only their SiLU product:
-171.6 us against 189.7 at 8192 tokens, 173.4 against 204.0 with cold weights; the engine's 1x8192 prefill
-stream 25.76-25.84 against 26.22-26.31 ms a step (bench/results/prefill-swiglu-{on,off}-r34{,b}_gpu_20261203.json).
+reading that product and writing SiLU(gate) * up ([T, I]). Here each CTA computes the gate and the up tile
+of the same output columns in two accumulators and stores only their SiLU product: the [T, 2I] product
+never goes to memory and back.
 
     swiglu_product(x [M, K], w [2I, K]) -> [M, I]      (w: gate rows, then up rows; Hugging Face layout)
 
@@ -42,11 +40,7 @@ class SwigluTiles:
     approximate exp and division in the SiLU; cluster: CTAs per cluster along M (2: the pair works on
     adjacent row tiles of the same columns and multicasts each weight tile to both).
 
-    The default won on the H200 at 8192 x 1024 x 2 x 3584 (bench/results/swiglu-mosaic-probe-r34*): 171.6 us
-    against 174.2 without the cluster (r34d), 175.9 on 3 stages, 177.1 with exact math, 172.6 with 128 x 64
-    warpgroup tiles; 187-203 on 64-column tiles, 189-247 keeping one step's wgmmas in flight (tiles released a
-    step later) or on 128-deep k tiles (r34b). cuBLAS: 145-151 us for the product alone, ~190 with the pass.
-    With each layer's weight cold (r34e, 8 distinct weights in one program): 173.4 against 204.0."""
+    The defaults were the fastest of the tiles tried on the H200 at the 0.8B's widths."""
 
     tm: int = 64
     tn: int = 128
@@ -155,11 +149,9 @@ def _kernel(x_gmem, w_gmem, out_gmem, *, tiles: SwigluTiles, width: int):
 @dataclasses.dataclass(frozen=True)
 class SmallTiles:
     """The decode-sized form (M a multiple of 64, at most max_rows): tn output columns (of gate and of up) a
-    CTA, tk the reduction tile, stages TMA loads in flight. tn = 32 gives the 0.8B's 3584 columns 112 CTAs;
-    from bench/results/skinny-mosaic-probe-r39 (the plain product at M = 64: 128-deep tiles on 3 stages won).
-    max_rows 64: at 128 rows the two row tiles each stream the weights and the form lost to XLA's product + pass,
-    11.2 against 10.2 us alone, 2.655 against 2.610 ms a batch-128 decode step (bench/results/
-    swiglu-small-probe_gpu_20261204.json, decode-swiglu-small-{on,off}); at 64 rows 6.7 against 9.3 us."""
+    CTA, tk the reduction tile, stages TMA loads in flight. tn = 32 gives the 0.8B's 3584 columns 112 CTAs.
+    max_rows 64: at 128 rows the two row tiles each stream the weights and the form loses to XLA's product
+    and pass."""
 
     tn: int = 32
     tk: int = 128

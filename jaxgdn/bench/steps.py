@@ -122,24 +122,19 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     several decode steps: decode_steps_per_launch), so no timed launch runs masked steps past max_tokens. profile_dir: also
     trace 5 more engine.step() calls after the timed ones (host work included) into profile_dir + "-engine"
     and 5 replayed device launches into profile_dir, and summarise their kernels and host runtime events.
-    Traced calls stay out of the timed window: under the profiler (CUPTI) a batch-1 launch of 4 steps
-    dispatched in ~5.9 ms against ~1.4 unprofiled, and when they were timed (before 2026-12-01 r12) a
-    profiled run read 1.43 ms/step at batch 1 against 0.88 unprofiled (decode-r12-profiled vs decode-r12).
+    Traced calls stay out of the timed window: the profiler (CUPTI) slows dispatch several-fold.
 
     Why results brought back and not tokens launched: with async scheduling the launch dispatched by the
     last untimed call is on the device when the timed window opens, so the window holds its device time;
-    its tokens come back inside the window. (Counting launched tokens, as results before r7 (2026-11-30) did,
-    charged that launch's time to the later launches: up to 1.43x too high with 4 steps per launch, see
-    docs/gpu-log.md, r7.)"""
+    its tokens come back inside the window. Counting launched tokens would charge that launch's time to the
+    later launches."""
     import jax
 
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
     warm = 5  # launches: the first runs op by op, the second records the CUDA graph; then steady state
-    # The window opens `warm_after_compile` calls after the last call that compiled a new program (a bucket
-    # crossed, e.g. the block-table width, which async MTP reaches a launch early since it books every draft
-    # as accepted: spec-r15-async read 1133 ms/step at K=3); a compile inside the window reopens it,
-    # at most `max_reopens` times.
+    # The window opens `warm_after_compile` calls after the last call that compiled a new program (only without
+    # a start-up compile); a compile inside the window reopens it, at most `max_reopens` times.
     warm_after_compile, max_reopens = 2, 2
     config = dict(batch=batch, max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
                   attention_impl=attention_impl, async_scheduling=async_scheduling,
@@ -248,8 +243,8 @@ def engine_prefill_ms(params, cfg, batch: int, length: int, repeats: int = 7, gd
     """Median wall time of one engine step that runs `batch` whole prompts of `length` tokens; the split of
     that time (host phases: median ms of each over the timed steps; `device_ms`: the step's program
     replayed back to back, no host work, and `device_ms_fixed_input` with its input at one address); with
-    profile_dir the kernels of that step replayed (None without). Seven timed steps: three read 33.8 and
-    34.2 ms at 1x8192 for kernels that had got faster (prefill-r10-kernels), host time moving by 1.4 ms."""
+    profile_dir the kernels of that step replayed (None without). Seven timed steps: a few move by
+    milliseconds with the host."""
     from ..engine.request import SamplingParams
 
     # synchronous: the timed step is the prompts' whole forward with its tokens back on the host
@@ -347,8 +342,7 @@ def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> 
 
 def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 7, warmup: int = 2) -> float:
     """Median ms of transformers' prefill forward (logits of the last token), after `warmup` untimed
-    calls (fla autotunes its kernels for a new shape on the first). Three timed calls read 46-72 ms at
-    1x2048 across calls of the same day (prefill-r9-*), hence more of them."""
+    calls (fla autotunes its kernels for a new shape on the first); its calls vary, hence several."""
     ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
     import torch
 
@@ -436,8 +430,7 @@ def bench_decode(args) -> dict:
 DECODE_TIMING = ("wall time per decode step, all rows decoding, steady state: the timed engine.step() calls "
                  "(host prep + launch + token fetch) summed, over the tokens per row whose results came back in "
                  "them, timed launches whole (a launch runs several decode steps with decode_steps_per_launch > "
-                 "1); results before r7 (2026-11-30) divided by the tokens launched and could end on a partly "
-                 "masked launch (up to 1.43x high with async scheduling), before 2026-11-30 r5 the median call")
+                 "1)")
 PREFILL_TIMING = ("median wall time of one engine step running whole prompts (host prep, step, token fetch); "
                   "stream_*: a stream of such steps back to back with async scheduling, per step")
 

@@ -45,7 +45,7 @@ def floor_bytes_ratio(r: dict) -> float:
 def kernels_table(d: dict) -> list[str]:
     headers = ["kernel", "B", "T", "ours ms", "fla ms", "ours / fla", "roofline ms", "floor bytes ours / fla",
                "rel. err vs fla"]
-    # results since r12 also sum each call's device kernel time (no launch path): ours / fla of the kernels
+    # rows with device kernel times (no launch path) get their columns: ours / fla of the kernels
     device = any("ours_device_us" in r for r in d["rows"])
     if device:
         headers[6:6] = ["ours kernels µs", "fla kernels µs", "kernels ours / fla"]

@@ -54,7 +54,7 @@ class Handoff:
     def to_bytes(self) -> bytes:
         """Serialise to cross a process boundary: tag, header length, JSON header (request fields and each
         array's dtype, shape and offset), then the arrays' raw bytes. One device-to-host fetch for all
-        arrays and one copy into the result (an .npz took 20-140 ms for 21-70 MB on the H200's host)."""
+        arrays and one copy into the result (an .npz costs several copies more)."""
         host = jax.device_get([getattr(self, name) for name in self.ARRAYS])
         layout, offset = [], 0
         for name, arr in zip(self.ARRAYS, host):

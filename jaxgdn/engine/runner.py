@@ -35,10 +35,8 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
     if not directory:
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
-    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5; JAX's own floor
-    # is 1 s). 0 also caches the dozen small helper programs of a start-up (casts, concatenates): on 2 CPU
-    # cores with the shipped model that took a warm start from 4.2 to 3.6 s, on the H200 it did not pay
-    # (bench/results/startup-shipped-min-compile-*_cpu_*.json, startup-min-compile-*_gpu_*.json).
+    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5, below JAX's own
+    # 1 s floor, so the smaller step programs are kept too).
     floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0.5")
     try:
         floor_s = float(floor)

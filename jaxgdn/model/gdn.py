@@ -25,9 +25,8 @@ from .norms import gated_rms_norm, upcast
 def causal_conv_silu(mixed, window, conv_weight, num_valid=None):
     """Depthwise causal conv + SiLU over full = [window ‖ mixed], which is never built: the taps read a
     zero-padded `mixed` and the window's taps, which reach only the first Kc-1 outputs, are a small
-    correction added to those. XLA then fuses the conv into one pass over `mixed`; on the H200 at 8192
-    tokens x 6144 channels that form took 0.14 ms against 0.34 ms for building [window ‖ mixed] and 0.22
-    for concatenating per tap (bench/results/prompt-conv-probe_gpu_20261201.json).
+    correction added to those. XLA then fuses the conv into one pass over `mixed` (building the
+    concatenation, or concatenating per tap, costs passes of its own).
 
     mixed: [B, T, C] new pre-conv inputs; window: [B, Kc-1, C] previous inputs (oldest first);
     conv_weight: [C, 1, Kc] with tap Kc-1 on the current token; num_valid: optional [B] count of real
@@ -177,11 +176,8 @@ def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto"
     if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
         o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
     else:
-        # Where the chunked Pallas kernel runs, the gated norm goes to it, so the fp32 output never goes to
-        # memory and back: 453 against 480 µs a layer at 1x8192 on the H200, kernel and norm, when its
-        # output kernel applied it (bench/results/gdn-output-norm-probe_gpu_20261201.json); since r35 the
-        # scan forms the output and stores it in z's dtype for the norm in XLA (361.0 against 390.0 µs a
-        # layer, bench/results/gdn-scan-fused-probe-r35_gpu_20261203.json).
+        # Where the chunked Pallas kernel runs, it stores its output in z's dtype for the gated norm (XLA)
+        # rather than in fp32: half the bytes to memory and back.
         fused_norm = runs_chunked_pallas(impl, T)
         gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
         # There, with fused weights, its prep kernel also computes g and beta from the product in place.
