@@ -1,4 +1,4 @@
-# make demo: run the main job on the shipped checkpoint; make test: the CPU test suite.
+# make demo: the shipped checkpoint solves test problems with PD + MTP; make test: the CPU test suite.
 # Both create the venv .venv at the checkout root on first use.
 PYTHON ?= python3.11
 VENV := .venv
@@ -19,8 +19,7 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m jaxgdn.generate
 
-# Two workers (pytest-xdist): the suite is mostly XLA compiles, one at a time per process; on a 2-core
-# machine two workers took it from 26 to 20 minutes (bench/results/test-suite-time_cpu_20261201.json).
+# Two workers (pytest-xdist): the suite is mostly XLA compiles, one at a time per process.
 test: venv
 	$(PY) -m pytest -q -n 2 tests
 

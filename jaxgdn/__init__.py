@@ -10,12 +10,13 @@ if not _logger.handlers:  # start-up lines (programs compiled, memory planned) r
     _logger.setLevel(logging.INFO)
 
 from .engine.config import EngineConfig
+from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .llm import LLM
 from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .model.config import ConfigError, ModelConfig, qwen35_0_8b
 
 __all__ = [
-    "CheckpointError", "ConfigError", "EngineConfig", "LLM", "ModelConfig", "RequestOutput", "SamplingParams",
+    "CheckpointError", "ConfigError", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams",
     "load_checkpoint", "qwen35_0_8b", "save_checkpoint",
 ]

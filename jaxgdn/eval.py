@@ -150,6 +150,7 @@ def write_results(args, model: str, num_problems: int, results: list[ConfigResul
     from .results import environment, write_result
 
     payload = {
+        "benchmark": "eval",
         "env": environment(),
         "model": model,
         "data": args.data or f"task:{args.split}",

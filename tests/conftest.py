@@ -39,6 +39,6 @@ def _release_compiled_programs():
 
         from jaxgdn.engine import runner
 
-        runner._jitted_step.cache_clear()
+        runner.clear_compiled_programs()
         helpers._naive_fwd.clear()
         jax.clear_caches()

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from jaxgdn.bench.__main__ import main
-from jaxgdn.bench.serving import expected_tokens_per_step
-from jaxgdn.bench.tables import TABLES, newest_results
+from jaxgdn.bench.spec_pd import expected_tokens_per_step
+from jaxgdn.bench.tables import TABLES, benchmark_of, result_files
 
 TINY = "checkpoints/qwen35-tiny-arith"
 
@@ -93,14 +93,15 @@ def test_pd_bench_reports_handoff_bytes(tmp_path):
     assert 0 < small["handoff_bytes"] < large["handoff_bytes"] and large["serialised_bytes"] >= large["handoff_bytes"]
 
 
-def test_tables_render_the_committed_results(capsys):
-    paths = newest_results()
-    assert paths, "bench/results has GPU result files"
-    assert main(["table", *map(str, paths)]) == 0
+def test_tables_render_every_committed_result(capsys):
+    """`bench table` (docs/performance.md) renders each result file the docs cite, and only those are kept."""
+    paths = result_files()
+    assert paths, "bench/results has result files"
+    assert main(["table"]) == 0
     text = capsys.readouterr().out
     for p in paths:
         assert p.name in text
-    assert set(TABLES) >= {json.loads(p.read_text())["benchmark"] for p in paths}
+    assert set(TABLES) >= {benchmark_of(json.loads(p.read_text()), p) for p in paths}
 
 
 def test_profile_calls_summarises_a_traced_function():
@@ -126,7 +127,7 @@ def test_serve_bench_runs_a_workload_cold_and_warm_with_no_compile_after_start_u
             "--max-model-len", "96", "--matmul-size", "128", "--bandwidth-bytes", "1000000")
     cold = d["cold_process"]
     assert cold["compiles_after_startup"] == 0 and cold["programs"] == d["warm_cache_startup"]["programs"] == 4
-    from jaxgdn.bench.traffic import make_requests
+    from jaxgdn.bench.serve import make_requests
 
     class Args:
         dataset, num_prompts, input_len, output_len, seed, max_model_len, model = "random", 10, (8, 40), (4, 12), 0, 96, TINY

@@ -214,7 +214,7 @@ def test_engine_fused_decode_kernels_switch(fused, form):
     layout = layout_for(form or "head", 1, split_min_tiles=1) if form == "split" else layout_for(form or "head")
     policy = ecfg.kernel_policy("cpu").replace(mixer_rows=(1, 16), decode_attention_layout=layout)
     with pytest.MonkeyPatch.context() as m:  # counters around the kernels, traced afresh
-        runner._jitted_step.cache_clear()
+        runner.clear_compiled_programs()
         uniform_forward._uniform_layer.clear_cache()
         m.setattr(uniform_forward, "gdn_mixer_pooled", counted("mixer", uniform_forward.gdn_mixer_pooled))
         m.setattr(uniform_forward, "decode_attention_pooled", counted("attention", uniform_forward.decode_attention_pooled))

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")
     sv.add_argument("--child", choices=["workload", "startup"], default=None, help=argparse.SUPPRESS)
     t = sub.add_parser("table", help="markdown tables from result JSON files")
-    t.add_argument("files", nargs="*", help="result files (default: the newest of each benchmark in bench/results)")
+    t.add_argument("files", nargs="*", help="result files (default: every file in bench/results with a table)")
+    t.add_argument("--notes", action="store_true", help="also print each file's note")
     return ap
 
 
@@ -144,11 +145,11 @@ def main(argv=None) -> int:
     if args.command == "table":
         from .tables import print_tables
 
-        return print_tables(args.files)
+        return print_tables(args.files, args.notes)
     if args.command == "serve" and args.child:
         import json
 
-        from .traffic import child_run
+        from .serve import child_run
 
         print(json.dumps(child_run(args)))
         return 0
@@ -164,11 +165,11 @@ def main(argv=None) -> int:
     elif args.command == "prefill":
         from .steps import bench_prefill as run
     elif args.command == "spec":
-        from .serving import bench_spec as run
+        from .spec_pd import bench_spec as run
     elif args.command == "pd":
-        from .serving import bench_pd as run
+        from .spec_pd import bench_pd as run
     elif args.command == "serve":
-        from .traffic import bench_serve as run
+        from .serve import bench_serve as run
     env = environment()
     out = Path(args.out) if args.out else None
 

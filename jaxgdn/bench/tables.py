@@ -119,29 +119,43 @@ def serve_table(d: dict) -> list[str]:
                         f"({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
 
 
-TABLES = {"kernels": kernels_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table, "pd": pd_table,
-          "serve": serve_table}
+def eval_table(d: dict) -> list[str]:
+    """`python -m jaxgdn.eval --configs ...`: accuracy per serving configuration, with and without the bug."""
+    return _table(["configuration", "concurrency", "#47466", "accuracy", "identical to baseline",
+                   "mean acceptance length", "acceptance rate", "tokens/s (incl. compile)"], d["results"],
+                  lambda r: [r["config"]["name"], str(r["config"]["concurrency"]),
+                             "bug" if r["config"]["reproduce_pd_mtp_bug"] else "fixed", f"{r['accuracy']:.3f}",
+                             _fmt(r["identical_to_baseline"]), _fmt(r["mean_acceptance_length"], ".2f"),
+                             _fmt(r["acceptance_rate"]), f"{r['tokens_per_s']:.0f}"])
 
 
-def newest_results(directory: Path = RESULTS_DIR) -> list[Path]:
-    """The newest GPU result file of each benchmark with a table."""
-    newest: dict[str, Path] = {}
-    for path in sorted(directory.glob("*_gpu_*.json")):
-        name = path.name.split("_gpu_")[0]
-        if name in TABLES:
-            newest[name] = path  # sorted by date stamp: later wins
-    return [newest[n] for n in TABLES if n in newest]
+TABLES = {"serve": serve_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
+          "kernels": kernels_table, "pd": pd_table, "eval": eval_table}
 
 
-def print_tables(files) -> int:
-    paths = [Path(f) for f in files] or newest_results()
+def benchmark_of(d: dict, path: Path) -> str:
+    return d.get("benchmark") or path.name.split("_")[0]
+
+
+def result_files(directory: Path = RESULTS_DIR) -> list[Path]:
+    """Every result file with a table, grouped by benchmark in TABLES' order."""
+    paths = [p for p in sorted(directory.glob("*.json")) if p.name.split("_")[0].split("-")[0] in TABLES]
+    return sorted(paths, key=lambda p: list(TABLES).index(p.name.split("_")[0].split("-")[0]))
+
+
+def print_tables(files, notes: bool = False) -> int:
+    """Print a markdown table per file (default: every result file in bench/results); notes: each file's note."""
+    paths = [Path(f) for f in files] or result_files()
     if not paths:
-        print("no GPU result files in bench/results")
+        print("no result files in bench/results")
         return 1
+    if not files:  # the whole set: docs/performance.md
+        print("# Performance tables\n\nEvery result file in `bench/results/`, printed by "
+              "`python -m jaxgdn.bench table > docs/performance.md`.\n")
     for path in paths:
         d = json.loads(path.read_text())
-        print(f"**{d['benchmark']}** — {_source(d, path.resolve())}\n")
-        if d.get("note"):
+        print(f"**{benchmark_of(d, path)}** — {_source(d, path.resolve())}\n")
+        if notes and d.get("note"):
             print(f"Note (from the JSON): {d['note']}\n")
-        print("\n".join(TABLES[d["benchmark"]](d)) + "\n")
+        print("\n".join(TABLES[benchmark_of(d, path)](d)) + "\n")
     return 0

@@ -69,6 +69,17 @@ def layout_tokens(layout: tuple) -> int:
     return next(shape[0] for name, shape, _ in layout if name == "input_ids")
 
 
+# Compiled step programs, shared by every runner in the process with the same static settings and argument
+# shapes (engines of one configuration, a PD worker pair on one device): (settings, launch key, signature).
+_COMPILED: dict[tuple, Any] = {}
+
+
+def clear_compiled_programs() -> None:
+    """Drop every compiled step program of the process (tests that build many engines)."""
+    _COMPILED.clear()
+    _jitted_step.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
                  library_gemms: bool = False):
@@ -99,11 +110,12 @@ class ModelRunner:
         self._resident_inputs: dict[int, Any] = {}
         self.timings: collections.Counter = collections.Counter()  # seconds per phase of run(), summed
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
-        static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
+        self._static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
         self.policy = policy
-        self._step = _jitted_step(*static)
-        self._library_step = _jitted_step(*static, library_gemms=True)
+        self._step = _jitted_step(*self._static)
+        self._library_step = _jitted_step(*self._static, library_gemms=True)
         self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
+        self._signature = None  # the weights' and state's shapes and device (set at the first compile)
         self.num_compiles = 0
         self.compiles_after_startup = 0
         self.started = False  # the engine sets it once start-up's programs are compiled
@@ -133,28 +145,50 @@ class ModelRunner:
         return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, stochastic, num_steps,
                                           width)
 
+    def _shared_key(self, key: tuple) -> tuple:
+        """A launch key in the process-wide cache: with the static settings and the arguments' shapes."""
+        if self._signature is None:
+            leaves, tree = jax.tree_util.tree_flatten((self.params, self.state))
+            self._signature = (tree, tuple((x.shape, str(x.dtype)) for x in leaves), str(self.device))
+        return (self._static, *key, self._signature)
+
+    def _cached(self, key: tuple):
+        """The launch's program from this runner's or the process-wide cache, or None."""
+        program = self._programs.get(key)
+        if program is None and (program := _COMPILED.get(self._shared_key(key))) is not None:
+            self._programs[key] = program
+        return program
+
+    def _store(self, key: tuple, program) -> None:
+        self._programs[key] = _COMPILED[self._shared_key(key)] = program
+        self.num_compiles += 1
+        self.compiles_after_startup += self.started
+
     def compiled(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
         """The compiled program of a launch, compiling it now if it is new (counted after start-up)."""
         key = (layout, stochastic, num_steps, width)
-        program = self._programs.get(key)
+        program = self._cached(key)
         if program is None:
-            program = self._programs[key] = self.lower(*key).compile()
-            self.num_compiles += 1
-            self.compiles_after_startup += self.started
+            program = self.lower(*key).compile()
+            self._store(key, program)
         return program
 
     def precompile(self, keys: list[tuple], on_compiled=None, workers: int | None = None) -> None:
         """Compile the programs of keys ((layout, stochastic, num_steps, width), ...) not compiled yet:
         lowered one at a time here, compiled on a pool of threads (XLA compiles outside the GIL).
-        on_compiled(): called after each."""
-        todo = list(dict.fromkeys(k for k in keys if k not in self._programs))
+        on_compiled(): called after each (and for each found compiled already)."""
+        todo = []
+        for key in dict.fromkeys(keys):
+            if self._cached(key) is None:
+                todo.append(key)
+            elif on_compiled:
+                on_compiled()
         if not todo:
             return
         with concurrent.futures.ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
             futures = {pool.submit(self.lower(*key).compile): key for key in todo}
             for future in concurrent.futures.as_completed(futures):
-                self._programs[futures[future]] = future.result()
-                self.num_compiles += 1
+                self._store(futures[future], future.result())
                 if on_compiled:
                     on_compiled()
 
