@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests, then the benchmark suite, on one H200 through the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd
+#   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
 # Results go to $OUT (the device tool brings them back), else bench/results; `python -m jaxgdn.bench table`
 # prints them.
@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -23,8 +23,10 @@ gpu_tests() {
 
 for step in $steps; do
   case $step in
-    tests-engine)  gpu_tests engine 560 "pd_ or launches or engine" ;;
-    tests-kernels) gpu_tests kernels 560 "not pd_ and not launches and not engine and not compiled_equal_reference" ;;
+    # the engine on the GPU (tests/test_engine_gpu.py) in two slices, then the kernels beside their CPU tests
+    tests-engine)  gpu_tests engine 560 "engine_gpu and (pd_ or decode_launches)" ;;
+    tests-verify)  gpu_tests verify 560 "engine_gpu and not (pd_ or decode_launches)" ;;
+    tests-kernels) gpu_tests kernels 560 "not engine_gpu and not compiled_equal_reference" ;;
     tests-gdn)     gpu_tests gdn 560 "compiled_equal_reference" ;;
     # the throughput workload: 1,000 random requests, prompts 256-1024, outputs 32-512
     serve) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --input-len 256 1024 \

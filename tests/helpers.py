@@ -5,13 +5,21 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
 import numpy as np
+import pytest
 import torch
 
 from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from jaxgdn.model.params import ModelParams, params_to_tensors
 
 L, F = LINEAR_ATTENTION, FULL_ATTENTION
+
+
+def gpu_test(test):
+    """A GPU-only test (`pytest -m gpu`): kernels compiled for the device, skipped without one."""
+    needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+    return pytest.mark.gpu(needs_gpu(test))
 
 
 def small_config(**overrides) -> ModelConfig:

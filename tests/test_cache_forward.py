@@ -129,39 +129,6 @@ def test_folded_norm_product_equals_norm_then_product(tokens):
     assert rows.post_scale == deferred.post_scale
 
 
-def test_swiglu_kernel_rule_needs_a_hopper_gpu_and_whole_tiles():
-    """The MLP's fused gate/up kernel (Mosaic GPU, compiled tests in test_gpu.py) takes whole tiles of 16-bit
-    operands only, and without a Hopper GPU `gated_product` stays the XLA form whatever the size."""
-    import jax.numpy as jnp
-
-    from jaxgdn.model import mlp
-    from jaxgdn.model.norms import DeferredNorm, inverse_rms
-    from jaxgdn.model.params import MLPParams
-    from jaxgdn.model.policy import DEFAULT_POLICY
-    from pallas_kernels import swiglu_mosaic as sm
-
-    assert sm.supported(4096, 1024, 3584, jnp.bfloat16)
-    for m, k, width, dtype in [(4160, 1024, 3584, jnp.bfloat16), (4096, 1000, 3584, jnp.bfloat16),
-                               (4096, 1024, 3600, jnp.bfloat16), (4096, 1024, 3584, jnp.float32)]:
-        assert not sm.supported(m, k, width, dtype)
-    assert sm.supported_small(64, 1024, 3584, jnp.bfloat16)
-    for m, k, width, dtype in [(32, 1024, 3584, jnp.bfloat16), (128, 1024, 3584, jnp.bfloat16),
-                               (64, 1000, 3584, jnp.bfloat16), (64, 1024, 3600, jnp.bfloat16),
-                               (64, 1024, 3584, jnp.float32)]:
-        assert not sm.supported_small(m, k, width, dtype)
-    assert not sm.kernel_available()  # the CPU suite
-    kx, kw = jax.random.split(jax.random.PRNGKey(3))
-    x = jax.random.normal(kx, (DEFAULT_POLICY.swiglu_min_tokens, 64), jnp.bfloat16)
-    w = (jax.random.normal(kw, (256, 64)) * 0.1).astype(jnp.bfloat16)
-    p = MLPParams(None, None, jnp.zeros((64, 128), jnp.bfloat16), fused=w)
-    assert mlp.swiglu_kernel_for(p, x, DEFAULT_POLICY) is None
-    gate, up = jnp.split(x @ w.T, 2, axis=-1)
-    np.testing.assert_array_equal(np.asarray(mlp.gated_product(p, x)), np.asarray(jax.nn.silu(gate) * up))
-    # a DeferredNorm's rows are the normed activation the products read
-    normed = DeferredNorm(x, inverse_rms(x, 1e-6))
-    np.testing.assert_array_equal(np.asarray(normed.rows() @ w.T), np.asarray(normed.product(w)))
-
-
 def test_folded_norms_serve_the_same_logits():
     """fold_norms: every decoder layer's (trunk and MTP) input and post-attention norm weight moves into
     the fused projections, none is left, folding twice changes nothing, and the logits are those of the

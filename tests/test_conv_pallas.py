@@ -1,4 +1,4 @@
-"""The pooled causal-conv kernel (interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the
+"""The pooled causal-conv kernel (interpret mode on CPU, compiled under -m gpu below) against the
 engine's XLA path: window read from the pool, conv + SiLU, new window written back."""
 
 from types import SimpleNamespace
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_test
 
 from jaxgdn.engine.pools import read_conv, write_conv
 from jaxgdn.engine.state import GDNSlots
@@ -143,3 +144,31 @@ def test_prompt_conv_kernel_lowers_to_triton_without_a_gpu():
     weight, window = jnp.zeros((6144, 1, 4), jnp.bfloat16), jnp.zeros((1, 3, 6144), jnp.bfloat16)
     fn = lambda x: causal_conv_prompt(x, (2048, 2048, 2048), weight, window, interpret=False)  # noqa: E731
     assert "triton" in jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().lower()
+
+
+@gpu_test
+@pytest.mark.parametrize("T, K", [(1, 0), (4, 3)])
+def test_conv_kernel_compiled_equals_the_xla_path(T, K):
+    """The Triton-lowered conv kernel at the 0.8B width (C = 6144, bf16) against the engine's XLA path."""
+    args = conv_case(seed=T, T=T, K=K, C=6144, dtype=jnp.bfloat16)
+    u_ref, pool_ref = jax.jit(xla_conv_path)(*args)
+    u, pool = jax.jit(lambda x, w, pool, *rows: causal_conv_pooled(x, w.shape[0], w, pool, *rows))(*args)
+    real = np.asarray(args[-1]) > 0
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(u)[real], f32(u_ref)[real], rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(f32(pool)[1:], f32(pool_ref)[1:])
+
+
+@gpu_test
+@pytest.mark.parametrize("T", [300, 2048])
+def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
+    """The Triton-lowered whole-prompt conv at the 0.8B widths (q, k, v of 2048 channels, bf16, read out
+    of the fused projection's 8224) against gdn.causal_conv_silu; T = 300 ends on a partial tile."""
+    r = np.random.default_rng(T)
+    x = jnp.asarray(r.standard_normal((2, T, 8224)), jnp.bfloat16)
+    window = jnp.asarray(r.standard_normal((2, 3, 6144)), jnp.bfloat16)
+    weight = jnp.asarray(r.standard_normal((6144, 1, 4)) * 0.5, jnp.bfloat16)
+    u_ref, _ = jax.jit(causal_conv_silu)(x[..., :6144], window, weight)
+    outs = jax.jit(lambda x, w, win: causal_conv_prompt(x, (2048, 2048, 2048), w, win))(x, weight, window)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(jnp.concatenate(outs, -1)), f32(u_ref), rtol=2e-2, atol=2e-2)

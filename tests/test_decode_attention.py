@@ -1,5 +1,5 @@
 """The one-kernel decode attention (`pallas_kernels/decode_attention.py`, interpret mode on CPU, compiled under
--m gpu in test_gpu.py) against the ragged XLA path it replaces in uniform steps (`ragged_forward.attention_ragged`):
+-m gpu below) against the ragged XLA path it replaces in uniform steps (`ragged_forward.attention_ragged`):
 the fused projection's split, q/k RMSNorms, RoPE, the KV write, attention over each row's pages, the gate."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import gpu_test, small_config
 
 from jaxgdn.engine import uniform_forward
 from jaxgdn.engine.ragged_forward import StepMeta, attention_ragged
@@ -230,3 +230,21 @@ def test_engine_fused_decode_kernels_switch(fused, form):
         assert calls["mixer"] > 0 and calls["attention"] > 0 and (calls["merge"] > 0) == (form == "split")
     else:
         assert calls == {"mixer": 0, "attention": 0, "merge": 0}
+
+
+@gpu_test
+@pytest.mark.parametrize("Q, dtype, pages_per_tile, form", [
+    (1, "bfloat16", 1, "head"), (1, "bfloat16", 2, "head"), (4, "bfloat16", 1, "head"), (4, "bfloat16", 2, "head"),
+    (2, "float32", None, "head"), (1, "bfloat16", 1, "grouped"), (4, "bfloat16", 2, "grouped"),
+    (2, "float32", None, "grouped"), (1, "bfloat16", 1, "split"), (4, "bfloat16", 2, "split"),
+    (2, "float32", None, "split")])
+def test_decode_attention_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(Q, dtype, pages_per_tile, form):
+    """The one-kernel decode attention compiled at the 0.8B layer's widths (Hq = 8, Hkv = 2, D = 256, RoPE over
+    64) against the compiled XLA path, on tiles of one and two pages (None: the layout rule's pick), one program
+    per query head or per KV head (grouped), or that with each row's page tiles split over programs (split);
+    the tests above run smaller cases interpreted on CPU."""
+    dt = jnp.dtype(dtype)
+    cfg, p, x, view, kv = attention_case(Q, dt, seed=Q, num_attention_heads=8, num_key_value_heads=2, head_dim=256)
+    want = run_layer(False, cfg, p, x, view, kv)
+    got = run_layer(True, cfg, p, x, view, kv, layout_for(form, pages_per_tile))
+    assert_same_layer(got, want, view, kv, 3e-2 if dt == jnp.bfloat16 else 1e-4)

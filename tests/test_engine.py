@@ -204,46 +204,6 @@ def test_persistent_compilation_cache_switch(tmp_path, monkeypatch):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
-def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
-    """The runner sends a step's host arrays as one int32 buffer; unpacking on device must give back
-    every array with its shape, dtype and values (floats and uint32 bit-exact, bools as bools)."""
-    import jax.numpy as jnp
-
-    from jaxgdn.engine.step_layout import StepArrays, pack_step_arrays, unpack_step_arrays
-
-    rng = np.random.default_rng(3)
-    fields = {name: rng.integers(-5, 9, (4, 3) if name == "block_tables" else 5).astype(np.int32)
-              for name in StepArrays.__dataclass_fields__}
-    fields.update(temperature=np.array([0.0, 0.7, 1e-30, -0.0, 3.5], np.float32),
-                  top_p=np.array([1.0, 0.9, 0.5, 0.25, 1e-7], np.float32),
-                  seeds=np.array([0, 1, 2**32 - 1, 2**31, 7], np.uint32), fresh=np.array([1, 0, 1, 1, 0], bool))
-    arrays = StepArrays(**fields)
-    buf, layout = pack_step_arrays(arrays)
-    assert buf.dtype == np.int32 and buf.ndim == 1
-    out = unpack_step_arrays(jnp.asarray(buf), layout)
-    assert isinstance(out, StepArrays) and out.row_kind is None  # host bookkeeping stays on the host
-    for name in fields.keys() - {"row_kind"}:
-        value = getattr(out, name)
-        assert value.dtype == fields[name].dtype and value.shape == fields[name].shape, name
-        np.testing.assert_array_equal(np.asarray(value).view(np.uint8), fields[name].view(np.uint8), err_msg=name)
-
-
-def test_request_token_slice_matches_the_concatenated_sequence():
-    from jaxgdn.engine.request import Request, RequestMetrics, SamplingParams
-
-    req = Request(0, [10, 11, 12], SamplingParams(), RequestMetrics(arrival_time=0.0))
-    req.output_token_ids = [20, 21]
-    full = req.all_token_ids
-    for a in range(6):
-        for b in range(a, 7):
-            assert req.token_slice(a, b) == full[a:b]
-            got = req.token_array(a, b)  # the int32 form the step assembly copies from
-            assert got.dtype == np.int32 and got.tolist() == full[a:b]
-    assert [req.token_after(p) for p in range(5)] == full and req.token_after(5) == 0
-    req.next_prompt_token = 13
-    assert req.token_after(5) == 13
-
-
 def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
     """A step of decode rows runs in a ragged program (the default) or, in a launch of several steps, in a
     uniform one ([R, 1] rows: `uniform_forward`); on the same step both must give the same tokens and state."""

@@ -1,5 +1,5 @@
-"""The one-kernel GDN mixer (`pallas_kernels/gdn_mixer.py`, interpret mode on CPU, compiled under -m gpu in
-test_gpu.py) against the unfused chain it replaces in `uniform_forward.gdn_rows_pooled`: projection split, gates,
+"""The one-kernel GDN mixer (`pallas_kernels/gdn_mixer.py`, interpret mode on CPU, compiled under -m gpu
+below) against the unfused chain it replaces in `uniform_forward.gdn_rows_pooled`: projection split, gates,
 the pooled conv kernel, the pooled recurrence kernel and the gated norm."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import small_config
+from helpers import gpu_test, small_config
 
 from jaxgdn.engine.state import GDNSlots
 from jaxgdn.engine.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
@@ -107,3 +107,16 @@ def test_mixer_kernel_lowers_to_triton_without_a_gpu():
     args = (y, jnp.ones((1, T, 1)), jnp.zeros((3, Kc - 1 + K, C), bf), jnp.zeros((3, 1 + K, Hk, dk, dk)))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+@gpu_test
+@pytest.mark.parametrize("T, K, dtype", [(1, 0, "bfloat16"), (3, 2, "bfloat16"), (4, 3, "float32")])
+def test_gdn_mixer_kernel_compiled_at_the_0_8b_widths_equals_the_unfused_chain(T, K, dtype):
+    """The one-kernel GDN mixer compiled at the 0.8B layer's head widths (Hk = Hv = 16, dk = dv = 128: one
+    whole state tile per program) against the compiled unfused chain; the tests above run the smaller
+    cases (and, interpreted, on CPU)."""
+    dt = jnp.dtype(dtype)
+    case = mixer_case(T, K, dt, seed=T, Hk=16, Hv=16, dk=128, dv=128)
+    want = run_rows(False, *case)
+    got = run_rows(True, *case)
+    assert_same_rows(got, want, case[3], 2e-2 if dt == jnp.bfloat16 else 1e-4)

@@ -1,13 +1,16 @@
-"""Pallas GDN kernels (interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the scan reference."""
+"""Pallas GDN kernels (interpret mode on CPU, compiled under -m gpu below) against the scan reference."""
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_test
 from test_gdn_core import random_inputs
 
+from jaxgdn.model.norms import gated_rms_norm
 from pallas_kernels.gdn import gated_delta_rule, gdn_recurrent_checkpoints, gdn_recurrent_reference
 from pallas_kernels.gdn_chunked import gdn_chunked_pallas
 from pallas_kernels.gdn_pallas import GateSource, OutputGate, gdn_recurrent_pallas
@@ -60,7 +63,6 @@ def test_chunked_kernel_with_the_gated_norm_fused_equals_the_layer_norm(dtype, d
     """gate=(z, weight, eps): the output kernel's gated RMS norm against norms.gated_rms_norm of the plain
     kernel's output (dv 24 pads the head to 32: the norm's mean must ignore the zero columns); T = 70
     pads the last chunk. The state is unchanged."""
-    from jaxgdn.model.norms import gated_rms_norm
 
     q, k, v, g, beta, s0 = random_inputs(B=2, T=70, Hk=1, Hv=2, dk=16, dv=dv, seed=1)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
@@ -138,7 +140,7 @@ def check_gates_from_source(dtype):
         gdn_chunked_pallas(q, k, v, g, beta, s0, gates=GateSource(source, 24, mixer.A_log, mixer.dt_bias))
     with pytest.raises(ValueError, match="b and a columns"):  # the a columns would run past the source
         gdn_chunked_pallas(q, k, v, None, None, s0, gates=GateSource(source, 34, mixer.A_log, mixer.dt_bias))
-    # jitted as the layer runs it (compiled on a GPU: test_gpu.py)
+    # jitted as the layer runs it (compiled on a GPU: the gpu tests below)
     got_jit, _ = jax.jit(lambda src, n: gdn_chunked_pallas(q, k, v, None, None, s0, gates=GateSource(
         src, 24, mixer.A_log, mixer.dt_bias, n)))(source, num_valid)
     assert max_err(got_jit, want) <= 1e-5 * max(1.0, float(jnp.abs(want).max()))
@@ -356,3 +358,49 @@ def test_engine_with_pool_kernel_equals_plain_greedy():
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):
         assert D.output(r).token_ids == naive_greedy(params, cfg, p, 5)
+
+
+@gpu_test
+@pytest.mark.parametrize("shape", [(2, 37, 2, 4, 16, 24), (1, 300, 4, 4, 128, 128), (3, 130, 2, 4, 64, 128)])
+def test_pallas_gdn_kernels_compiled_equal_reference(shape):
+    """The Triton-lowered GDN kernels against the fp32 scan reference (fp32 inputs: IEEE matmuls), and the
+    chunked kernel on bf16 inputs (bf16 tensor cores, the solve's block combination on TF32) against the
+    reference on the same rounded inputs, with and without the gated norm."""
+
+    B, T, Hk, Hv, dk, dv = shape
+    q, k, v, g, beta, s0 = random_inputs(B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, seed=T)
+    with jax.default_matmul_precision("highest"):
+        o_ref, s_ref, states_ref = jax.jit(gdn_recurrent_checkpoints)(q, k, v, g, beta, s0)
+    err = lambda a, b: float(jnp.abs(a - b).max() / jnp.abs(b).max())  # noqa: E731
+    for stages in (2, 3):  # the scan's two pipeline depths (large and small grids; fp32 at dk=128 fits 2 only)
+        o, s = jax.jit(functools.partial(gdn_chunked_pallas, scan_stages=stages))(q, k, v, g, beta, s0)
+        assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4, stages
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        o_bf_ref, s_bf_ref = jax.jit(gdn_recurrent_checkpoints)(*(x.astype(jnp.float32) for x in bf), g, beta, s0)[:2]
+    o_bf, s_bf = jax.jit(gdn_chunked_pallas)(*bf, g, beta, s0)
+    assert err(o_bf, o_bf_ref) <= 3e-2 and err(s_bf, s_bf_ref) <= 3e-2
+    z = jax.random.normal(jax.random.PRNGKey(T), o.shape)
+    want = gated_rms_norm(o, z, jnp.ones(dv), 1e-6, jnp.float32)
+    got, _ = jax.jit(lambda *a: gdn_chunked_pallas(*a, gate=(z, jnp.ones(dv), 1e-6)))(q, k, v, g, beta, s0)
+    assert err(got, want) <= 1e-4
+    o, s, states = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=True))(q, k, v, g, beta, s0)
+    assert err(o, o_ref) <= 1e-4 and err(s, s_ref) <= 1e-4 and err(states, states_ref) <= 1e-4
+
+
+@gpu_test
+def test_chunked_kernel_gates_from_the_projection_compiled():
+    """The prep kernel's in-place gates (GateSource) compiled: against the kernel fed XLA's g and beta."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        check_gates_from_source(dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("T, B, from_product", [(1, 64, False), (2, 32, False), (4, 8, False), (1, 64, True),
+                                                (3, 32, True)])
+def test_gdn_pool_kernel_compiled_at_the_0_8b_widths_equals_reference(T, B, from_product):
+    """The in-place pool kernel as the engine runs it (dv tiles of `_value_block`, `pool_warps(T)` warps,
+    evict-first hints; decode rows on the one-store path, verify windows on masked per-position stores; the
+    gates given or formed from the projection) against the fp32 reference: reads the start checkpoint, writes
+    checkpoints in place, leaves the rest."""
+    check_pooled_kernel(T, B=B, Hk=16, Hv=16, dk=128, dv=128, W=4, tol=1e-4, from_product=from_product)

@@ -1,11 +1,12 @@
 """The GDN layer's ragged forms: the conv and the recurrence references against per-row dense computations
 (`gdn.causal_conv_silu`, `gdn_recurrent_reference`), and the Pallas kernels (interpret mode on CPU, compiled
-under -m gpu in test_gpu.py) against the references on random mixes of short and long rows."""
+under -m gpu below) against the references on random mixes of short and long rows."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_test
 
 from jaxgdn.model.gdn import causal_conv_silu
 from pallas_kernels.gdn import gdn_recurrent_checkpoints
@@ -143,3 +144,24 @@ def test_kernels_lower_to_triton_without_a_gpu():
                                                  ints, ints, ints, ints, interpret=False)
     text = jax.jit(fn).trace(q, k, q, jnp.zeros((4, 2, H, d, d))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.lower().count("triton") >= 4
+
+
+@gpu_test
+@pytest.mark.parametrize("lengths, dtype", [((1, 3, 20, 4, 70, 1, 16, 17, 130), "float32"),
+                                            ((1, 4, 300, 2048, 1, 3), "bfloat16")])
+def test_ragged_gdn_kernels_compiled_equal_the_reference(lengths, dtype):
+    """The ragged GDN kernels compiled at the 0.8B head widths (Hk = Hv = 16, dk = dv = 128): short rows on the
+    token loop, long rows on the chunked form, the pool written in place."""
+    q, k, v, g, beta, pool, qsl, token_row, slots, start, fresh, verify = gdn_case(
+        len(lengths), lengths, Hk=16, Hv=16, dk=128, dv=128, dtype=getattr(jnp, dtype), pad_tokens=0)
+    W = pool.shape[1]
+    init = jnp.where(fresh[:, None, None, None], 0, pool[slots, start])
+    with jax.default_matmul_precision("highest"):
+        o_ref, final, checkpoints = jax.jit(gdn_ragged_reference, static_argnums=8)(
+            *(x.astype(jnp.float32) for x in (q, k, v)), g, beta, token_row, qsl, init, W)
+    o, new_pool = jax.jit(gdn_ragged_pallas)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
+    err = lambda a, b: float(jnp.abs(a - b).max() / max(1.0, float(jnp.abs(b).max())))  # noqa: E731
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert err(o, o_ref) <= tol
+    want = expected_pool(pool, (final, checkpoints), slots, np.asarray(verify))
+    assert err(new_pool[1:], jnp.asarray(want[1:])) <= tol

@@ -1,11 +1,11 @@
 """The prefill attention layer's q/k/v kernel (`pallas_kernels/prompt_qkv.py`, interpret mode on CPU, compiled
-under -m gpu in test_gpu.py) against `attention.project_qkv_gate`, the XLA chain it replaces."""
+under -m gpu below) against `attention.project_qkv_gate`, the XLA chain it replaces."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import real_width_config, small_config
+from helpers import gpu_test, real_width_config, small_config
 
 from jaxgdn.engine.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
 from jaxgdn.model.attention import project_qkv_gate
@@ -59,3 +59,11 @@ def test_head_pieces_cover_the_head_in_power_of_two_tiles():
         assert sum(w for _, w in pieces) == D and all(w & (w - 1) == 0 for _, w in pieces)
         assert [s for s, _ in pieces] == list(np.cumsum([0] + [w for _, w in pieces])[:-1])
     assert prompt_qkv_supports(256, 64) and not prompt_qkv_supports(256, 0) and not prompt_qkv_supports(64, 12)
+
+
+@gpu_test
+@pytest.mark.parametrize("R, Q, dtype", [(1, 2048, "bfloat16"), (2, 300, "bfloat16"), (2, 300, "float32")])
+def test_prompt_qkv_kernel_compiled_at_the_0_8b_widths_equals_the_xla_chain(R, Q, dtype):
+    """The prefill q/k/v kernel compiled at the 0.8B layer's widths against the compiled XLA chain; 300 cells
+    end on a part tile. test_prompt_qkv.py runs the smaller cases interpreted on CPU."""
+    test_kernel_matches_the_xla_chain("real", R, Q, jnp.dtype(dtype).type)

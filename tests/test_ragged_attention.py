@@ -1,13 +1,15 @@
 """Ragged paged attention: the XLA reference against the model's dense attention row by row, the Pallas kernel
-(interpret mode on CPU, compiled under -m gpu in test_gpu.py) against the reference on random mixes of rows,
+(interpret mode on CPU, compiled under -m gpu below) against the reference on random mixes of rows,
 and the KV write kernel against XLA's scatter."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_test
 
 from jaxgdn.model.attention import gqa_attention
+from pallas_kernels.kv_write import write_kv_pallas
 from pallas_kernels.ragged_attention import (
     block_queries,
     kernel_supports,
@@ -157,7 +159,6 @@ def kv_write_case(seed=0, P=9, ps=4, Hkv=2, D=16, N=7, dtype=jnp.float32):
 
 def test_kv_write_kernel_equals_scatter():
     """Bit for bit off the null page; nothing else of the pools changes."""
-    from pallas_kernels.kv_write import write_kv_pallas
 
     k_pool, v_pool, slots, k, v = kv_write_case()
     new_k, new_v = write_kv_pallas(k_pool, v_pool, slots, k, v)
@@ -168,10 +169,35 @@ def test_kv_write_kernel_equals_scatter():
 
 
 def test_kv_write_kernel_lowers_to_triton_without_a_gpu():
-    from pallas_kernels.kv_write import write_kernel_supports, write_kv_pallas
+    from pallas_kernels.kv_write import write_kernel_supports
 
     assert write_kernel_supports(2, 256) and not write_kernel_supports(3, 32)
     k_pool, v_pool, slots, k, v = kv_write_case(D=256, dtype=jnp.bfloat16)
     fn = lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v, interpret=False)  # noqa: E731
     text = jax.jit(fn).trace(k_pool, v_pool, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+@gpu_test
+@pytest.mark.parametrize("Hq, Hkv, D, dtype, pad_tokens", [(8, 2, 256, "bfloat16", 7), (8, 2, 256, "bfloat16", 0),
+                                                            (4, 2, 32, "float32", 7)])
+def test_ragged_attention_kernel_compiled_equals_reference(Hq, Hkv, D, dtype, pad_tokens):
+    """The ragged paged attention kernel compiled (the 0.8B widths first) against the XLA reference on a mix of
+    a decode row, prompt chunks, a fresh prompt and a verify window."""
+    case = ragged_case(seed=D, Hq=Hq, Hkv=Hkv, D=D, dtype=getattr(jnp, dtype), pad_tokens=pad_tokens,
+                       rows=((37, 1), (16, 200), (0, 300), (70, 3), (5, 1)), MP=24)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(ragged_paged_attention_reference)(*case[:7]).astype(jnp.float32)
+    out = jax.jit(ragged_paged_attention)(*kernel_inputs(case, block_queries(Hq, Hkv))).astype(jnp.float32)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert float(jnp.abs(out - ref).max()) <= tol * max(1.0, float(jnp.abs(ref).max()))
+
+
+@gpu_test
+def test_kv_write_kernel_compiled_equals_scatter():
+
+    k_pool, v_pool, slots, k, v = kv_write_case(P=300, ps=16, D=256, N=128, dtype=jnp.bfloat16)
+    expect = [pool.reshape(-1, 2, 256).at[slots].set(x).reshape(pool.shape) for pool, x in ((k_pool, k), (v_pool, v))]
+    new = jax.jit(lambda kp, vp, k, v: write_kv_pallas(kp, vp, slots, k, v))(k_pool, v_pool, k, v)
+    for got, want in zip(new, expect):
+        np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], np.asarray(want, np.float32)[1:])
