@@ -152,7 +152,7 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     launch's previous step committed) under async scheduling (each launch booked as if every draft were
     accepted, the next one rebased on the device's count): on the shipped model, which accepts most drafts,
     outputs and acceptance equal one synchronous step per launch, greedy ones plain greedy decoding, and
-    sampled ones lie in their sampling support (r16: both forms held the same wrong pad tokens)."""
+    sampled ones lie in their sampling support (both forms could hold the same wrong token)."""
     params, cfg, prompts = shipped_model()
     prompts = prompts[:4]
     sps = [SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=0, max_tokens=9),

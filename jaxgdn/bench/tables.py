@@ -107,16 +107,24 @@ def pd_table(d: dict) -> list[str]:
 
 
 def serve_table(d: dict) -> list[str]:
-    c = d["cold_process"]
-    runs = [("cold", c["cold"]), ("warm", c["warm"])]
+    c, e = d["cold_process"], d["engine"]
+    rate = "all at once" if not d["request_rate"] else f"{d['request_rate']} requests/s"
+    head = (f"{d['num_prompts']} `{d['dataset']}` requests ({rate}) on `{d['model']}`, max_num_seqs {e['max_num_seqs']}, "
+            f"max_num_batched_tokens {e['max_num_batched_tokens']}, {e['dtype']}, K = {e['num_speculative_tokens']}.")
+    runs = [("cold (first run of a new process)", c["cold"]), ("warm", c["warm"])]
     lines = _table(["run", "wall s", "total tok/s", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
                     "ITL p50 / p99 ms"], runs, lambda r: [
         r[0], f"{r[1]['wall_s']:.2f}", f"{r[1]['total_tokens_per_s']:.0f}", f"{r[1]['output_tokens_per_s']:.0f}",
         *(f"{r[1][k]['p50']:.1f} / {r[1][k]['p99']:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms"))])
-    return lines + ["", f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, "
-                        f"{d['warm_cache_startup']['startup_s']:.1f} s with it filled; {c['programs']} step programs; "
-                        f"{c['compiles_after_startup']} compiled after start-up; the bound {c['bound']['total_s']:.2f} s "
-                        f"({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
+    peer = d.get("transformers")
+    if peer and "wall_s" in peer:
+        lines.append(f"| transformers ({peer['form']}) | {peer['wall_s']:.2f} | {peer['total_tokens_per_s']:.0f} | "
+                     f"{peer['output_tokens_per_s']:.0f} | - | - | - |")
+    return [head, ""] + lines + ["", f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, "
+                                     f"{d['warm_cache_startup']['startup_s']:.1f} s with it filled; `LLM(...)` to the cold "
+                                     f"run's last token {c['cold']['from_process_start_s']:.1f} s; {c['programs']} step programs, "
+                                     f"{c['compiles_after_startup']} compiled after start-up; the bound "
+                                     f"{c['bound']['total_s']:.2f} s ({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
 
 
 def eval_table(d: dict) -> list[str]:
