@@ -85,20 +85,25 @@ def is_correct(completion: str | None, answer: int) -> bool:
         return False
 
 
+def engine_config(sc: ServeConfig, args):
+    """The EngineConfig of one configuration: pages for every request at full length, lazy compiles (greedy
+    requests known up front compile only the programs they use)."""
+    from .engine.config import EngineConfig
+
+    pages_per_seq = -(-args.max_model_len // 16)
+    return EngineConfig(max_num_seqs=sc.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, kv_page_size=16, num_kv_pages=1 + sc.concurrency * pages_per_seq,
+                        dtype=args.dtype, pd=sc.pd, num_speculative_tokens=sc.num_speculative_tokens,
+                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug, precompile=False)
+
+
 def run_config(model: str, prompts: list[str], answers: list[int], sc: ServeConfig, args,
                baseline: ConfigResult | None) -> ConfigResult:
     """Serve every prompt under one configuration; score against answers and the baseline's tokens."""
-    from .engine.config import EngineConfig
     from .engine.request import SamplingParams
     from .llm import LLM
 
-    pages_per_seq = -(-args.max_model_len // 16)
-    ecfg = EngineConfig(max_num_seqs=sc.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, kv_page_size=16,
-                        num_kv_pages=1 + sc.concurrency * pages_per_seq,  # every request at full length
-                        dtype=args.dtype, pd=sc.pd, num_speculative_tokens=sc.num_speculative_tokens,
-                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug,
-                        precompile=False)  # greedy requests known up front: compile the programs they use
+    ecfg = engine_config(sc, args)
     llm = LLM(model, ecfg)
     if llm.tokenizer is None:
         raise SystemExit(f"jaxgdn.eval: {model} has no tokenizer; text prompts need one")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
+from .engine_args import add_engine_args, engine_config
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -41,50 +41,12 @@ def parse_args(argv=None):
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
-    e = ap.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=int, default=16)
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-model-len", type=int, default=1024)
-    e.add_argument("--kv-page-size", type=int, default=16)
-    e.add_argument("--num-kv-pages", type=int, default=None)
-    e.add_argument("--enforce-eager", action="store_true", help="exact shapes, no bucket padding")
-    e.add_argument("--precompile", choices=["on", "off"], default=None,
-                   help="compile every step program before serving (default on; off for the no-argument demo, "
-                        "whose few requests need only some of them)")
-    e.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
-    e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
-                   help="input-assembly kernel (triton needs a GPU with jax-triton)")
-    e.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="MTP drafts per step, 0..3 (default 0; 1 in the no-argument demo)")
-    e.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
-                   help="launch each step before the previous step's tokens are back (host work overlaps the "
-                        "device; same outputs; with MTP drafts the next verify step starts where the device's count "
-                        "of accepted drafts says). auto (default): on unless --pd; on: refused with --pd")
-    e.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
-                   help="run N model steps per device launch when every request is decoding: decode steps "
-                        "(async scheduling) or MTP verify steps (not --pd); same outputs, the host's per-step "
-                        "cost is paid once per launch. Default: 4 on a GPU, 1 elsewhere")
-    e.add_argument("--no-fold-norms", action="store_true",
-                   help="serve the loaded weights' values exactly: keep each layer's RMSNorm weight apart instead "
-                        "of folding it into the projections that read it (the default; same math, rounding at "
-                        "the weight dtype's precision; one kernel fewer per norm in a single-token step)")
-    e.add_argument("--no-fused-decode-kernels", action="store_true",
-                   help="run decode and verify rows on the layers' kernel chains instead of the one-kernel GDN "
-                        "mixer and decode attention (same math; e.g. to rule those kernels out when chasing a "
-                        "problem). They run on a GPU, or off it with the Pallas paths asked for")
-    e.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
-                   metavar="N|off",
-                   help="steps of at least N tokens (prompts) compile their matrix products for cuBLAS instead of "
-                        "XLA's Triton GEMMs, which lets XLA add the residual stream inside the products; GPU "
-                        f"only (default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
-    e.add_argument("--pd", action="store_true",
-                   help="prefill/decode disaggregation with explicit state handoff (on in the no-argument demo)")
+    e = add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, dtype="float32",
+                        num_speculative_tokens=None)
     ap.add_argument("--demo-problems", type=int, default=4,
                     help="test problems the no-argument demo runs (default 4)")
     e.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight at once (sets --max-num-seqs); 1 serves them one after another")
-    e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
-                   help="restore vLLM's pre-#47466 behaviour (wrong outputs under PD + MTP, concurrency > 1)")
     return ap.parse_args(argv)
 
 
@@ -135,23 +97,13 @@ def main(argv=None) -> int:
         print("jaxgdn: give --prompt, --prompt-ids or --prompts-file", file=sys.stderr)
         return 2
 
-    from .engine.config import EngineConfig
     from .engine.request import SamplingParams
     from .llm import LLM
     from .model.checkpoint import CheckpointError
     from .model.config import ConfigError
 
     try:
-        config = EngineConfig(
-            max_num_seqs=args.concurrency or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, kv_page_size=args.kv_page_size, num_kv_pages=args.num_kv_pages,
-            enforce_eager=args.enforce_eager, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
-            pd=args.pd, reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug,
-            async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
-            decode_steps_per_launch=args.decode_steps_per_launch, fold_norms=not args.no_fold_norms,
-            fused_decode_kernels=not args.no_fused_decode_kernels,
-            library_gemms_min_tokens=args.library_gemms_min_tokens, precompile=args.precompile != "off",
-        )
+        config = engine_config(args, max_num_seqs=args.concurrency or args.max_num_seqs)
         llm = LLM(str(model), config, input_impl=args.input_impl)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"jaxgdn: {e}", file=sys.stderr)

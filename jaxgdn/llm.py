@@ -16,48 +16,60 @@ from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 from .model.checkpoint import load_checkpoint
-from .model.config import PRESETS
-from .model.params import init_random_params, serving_layout
-from .model.tokenizer import load_tokenizer
+from .model.config import PRESETS, ModelConfig
+from .model.params import ModelParams, init_random_params, serving_layout
+from .model.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
+ROLES = ("both", "prefill", "decode")
 logger = logging.getLogger("jaxgdn")
+
+
+def load_model(model: str | Path, config: EngineConfig) -> tuple[ModelConfig, ModelParams, Tokenizer | None]:
+    """(model config, weights in the serving layout, tokenizer or None) of a checkpoint directory or a preset
+    name (random weights, no tokenizer)."""
+    dtype = jnp.dtype(config.dtype)
+    if str(model) in PRESETS:
+        cfg = PRESETS[str(model)]()
+        params, tokenizer = init_random_params(cfg, seed=0, dtype=dtype), None
+    else:
+        (cfg, params), tokenizer = load_checkpoint(model, dtype=dtype), load_tokenizer(model)
+    # one serving copy for both PD workers; the loaded layout is dropped
+    return cfg, serving_layout(params, config.fold_norms), tokenizer
 
 
 class LLM:
     """model: a checkpoint directory, or a preset name (random weights, for benchmarks) such as
     "qwen3.5-0.8b". config: EngineConfig (pd=True serves through a PrefillWorker and a DecodeWorker).
     input_impl: input-assembly kernel ("xla", "pallas", "triton"). handoff_transport "bytes" sends every
-    PD handoff through to_bytes()/from_bytes() as a process boundary would."""
+    PD handoff through to_bytes()/from_bytes() as a process boundary would. role "prefill" or "decode" builds
+    one side of a PD pair only, for a server process (`jaxgdn.serve`); generate() needs role "both"."""
 
     def __init__(self, model: str | Path, config: EngineConfig | None = None, *, input_impl: str = "xla",
-                 garbage_seed: int | None = None, handoff_transport: str = "object"):
+                 garbage_seed: int | None = None, handoff_transport: str = "object", role: str = "both"):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config or EngineConfig()
-        dtype = jnp.dtype(self.config.dtype)
-        if str(model) in PRESETS:
-            self.model_config = PRESETS[str(model)]()
-            params = init_random_params(self.model_config, seed=0, dtype=dtype)
-            self.tokenizer = None
-        else:
-            self.model_config, params = load_checkpoint(model, dtype=dtype)
-            self.tokenizer = load_tokenizer(model)
-        # one serving copy for both PD workers; the loaded layout is dropped
-        params = serving_layout(params, self.config.fold_norms)
+        if role != "both" and not self.config.pd:
+            self.config = self.config.replace(pd=True)  # one side of a PD pair: no async scheduling
+        self.role = role
+        self.model_config, params, self.tokenizer = load_model(model, self.config)
         decode = self.tokenizer.decode if self.tokenizer else None
         self.handoff_transport = handoff_transport
-        if self.config.pd:
-            devices = jax.devices()
-            pick = lambda i: devices[i % len(devices)] if i is not None else None  # noqa: E731
-            # on one device the prefill worker plans half of the memory left, the decode worker the rest
-            share = 0.5 if pick(self.config.prefill_device) == pick(self.config.decode_device) else 1.0
+        devices = jax.devices()
+        pick = lambda i: devices[i % len(devices)] if i is not None else None  # noqa: E731
+        self.prefill_worker = self.engine = None
+        if self.config.pd and role != "decode":
+            # on one device beside its decode worker the prefill worker plans half of the memory left
+            share = 0.5 if role == "both" and pick(self.config.prefill_device) == pick(self.config.decode_device) else 1.0
             self.prefill_worker = PrefillWorker(params, self.model_config, self.config, input_impl=input_impl,
                                                 garbage_seed=garbage_seed, device=pick(self.config.prefill_device),
                                                 memory_share=share)
+        if self.config.pd and role != "prefill":
             self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
                                        decode=decode, device=pick(self.config.decode_device))
-        else:
-            self.prefill_worker = None
+        elif not self.config.pd:
             self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
                                     garbage_seed=garbage_seed, decode=decode)
         for e in self.engines:
@@ -97,6 +109,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A bad prompt gets finish_reason
         "error" and a message in `.error`; the others are unaffected."""
+        if self.role != "both":
+            raise ValueError(f"LLM(role={self.role!r}) is one side of a PD pair; generate() needs role 'both'")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)

@@ -55,6 +55,17 @@ def format_prompt(question: str, shots: tuple[tuple[str, str], ...] = ()) -> str
     return f"{head}Question: {question}\nAnswer:"
 
 
+# The chat template of a checkpoint trained on this task (the server's /v1/chat/completions): a user message is a
+# question, an assistant message a solved answer (few-shot), so a conversation renders as format_prompt would.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}Question: {{ m.content }}\nAnswer:"
+    "{%- elif m.role == 'assistant' -%}{{ ' ' + m.content + '\\n\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
 def extract_answer(text: str) -> str | None:
     """The number after the first `####` (commas dropped), or None: GSM8K's strict match."""
     m = ANSWER_RE.search(text)

@@ -6,7 +6,7 @@ cross-entropy on the token after next, both from our own model functions (`model
 the checkpoint ships in), AdamW with warmup + cosine decay and global-norm clipping (optax).
 Data are drawn fresh from the train split's seeded stream, so `--seed` fixes init and data.
 Writes a Hugging Face checkpoint directory (config.json, model.safetensors with mtp.*, tokenizer.json,
-generation_config.json, train_log.json).
+generation_config.json, chat_template.jinja, train_log.json).
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(task.CHAT_TEMPLATE)
     save_checkpoint(out, cfg, cast_params(cfg, params, jnp.dtype(args.save_dtype)))
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id, "do_sample": False,

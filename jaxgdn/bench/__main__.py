@@ -122,7 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     sv.add_argument("--request-rate", type=float, default=0.0,
                     help="requests a second, Poisson arrivals (0: every request at once, the offline mode)")
+    sv.add_argument("--max-concurrency", type=int, default=None,
+                    help="at most this many requests in flight (a request's latency counts from its admission)")
     sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--http", metavar="URL", default=None,
+                    help="drive a running OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000) instead of "
+                         "an in-process engine; --model names the checkpoint it serves (its vocabulary, tokenizer)")
+    sv.add_argument("--http-repeat", type=int, choices=[0, 1], default=1,
+                    help="with --http: send the workload a second time (default 1: first and second run)")
     sv.add_argument("--max-num-seqs", type=int, default=256)
     sv.add_argument("--max-num-batched-tokens", type=int, default=4096)
     sv.add_argument("--max-model-len", type=int, default=2048)
@@ -168,21 +175,24 @@ def main(argv=None) -> int:
         from .spec_pd import bench_spec as run
     elif args.command == "pd":
         from .spec_pd import bench_pd as run
+    elif args.command == "serve" and args.http:
+        from .serve_http import bench_serve_http as run
     elif args.command == "serve":
         from .serve import bench_serve as run
     env = environment()
     out = Path(args.out) if args.out else None
+    name = "serve-http" if getattr(args, "http", None) else args.command
 
     def save_partial(payload: dict) -> None:
         """Benchmarks call this after every row, so an interrupted run keeps the rows it measured."""
         if not args.no_save:
-            write_result(args.command, {**payload, "complete": False, "env": env}, out)
+            write_result(name, {**payload, "complete": False, "env": env}, out)
 
     args.save_partial = save_partial
     payload = run(args)
     payload["env"] = env
     if not args.no_save:
-        print(f"wrote {write_result(args.command, {**payload, 'complete': True}, out)}")
+        print(f"wrote {write_result(name, {**payload, 'complete': True}, out)}")
     return 0
 
 

@@ -56,9 +56,10 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
-def serve(llm, requests, request_rate: float, seed: int) -> dict:
-    """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s), stamping each
-    output token when the host sees it. Returns wall time, token counts and latency percentiles (ms)."""
+def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | None = None) -> dict:
+    """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s; at most max_concurrency
+    in flight, a request arriving when it is admitted), stamping each output token when the host sees it.
+    Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
     eng = llm.engine
@@ -84,12 +85,14 @@ def serve(llm, requests, request_rate: float, seed: int) -> dict:
 
     while pending or eng.has_unfinished:
         now = time.perf_counter() - t0
-        while pending and pending[0][0] <= now:
+        while pending and pending[0][0] <= now and len(live) < (max_concurrency or len(requests)):
             arrival, (prompt, max_tokens) = pending.pop(0)
             rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-            live[rid] = (arrival, [])
+            live[rid] = (max(arrival, now), [])
         if eng.has_unfinished:
             eng.step()
+        elif live:
+            eng.flush()  # async scheduling: the tokens of requests that all finished
         elif pending:
             time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
         stamp(time.perf_counter() - t0)
@@ -153,9 +156,9 @@ def child_run(args) -> dict:
     if args.child == "startup":
         return out
     requests = make_requests(args, llm.model_config.vocab_size, llm.tokenizer)
-    out["cold"] = serve(llm, requests, args.request_rate, args.seed)
+    out["cold"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
     out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
-    out["warm"] = serve(llm, requests, args.request_rate, args.seed)
+    out["warm"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
     out["compiles_after_startup"] = llm.compiles_after_startup
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
@@ -185,6 +188,7 @@ def _forwarded(args) -> list[str]:
     flags = ["--model", args.model, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
              "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
              "--request-rate", str(args.request_rate), "--seed", str(args.seed),
+             *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
@@ -243,7 +247,7 @@ def bench_serve(args) -> dict:
     warm_start = _child(args, "startup", cache_dir)
     payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
-               "seed": args.seed, "engine": {k: getattr(args, k) for k in (
+               "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
                    "gpu_memory_utilization", "decode_steps_per_launch")},
                "cold_process": cold, "warm_cache_startup": warm_start}

@@ -157,6 +157,35 @@ class LLMEngine:
             return str(e)
         return None
 
+    def abort_request(self, rid: int) -> None:
+        """Finish a waiting or running request now (finish_reason "abort"); its pages and slot are free for the
+        next step. A row of it in the launch in flight is discarded when that launch is applied."""
+        req = self.requests.get(rid)
+        if req is None or req.status is RequestStatus.FINISHED:
+            return
+        self.scheduler.finish(req, "abort")
+        req.output_token_ids = [t for t in req.output_token_ids if t != PLACEHOLDER_TOKEN]
+
+    def forget(self, rid: int) -> None:
+        """Drop a finished request's record (a server's engine runs for ever; LLM.generate keeps them)."""
+        req = self.requests.get(rid)
+        if req is not None and req.status is RequestStatus.FINISHED:
+            del self.requests[rid]
+            self.fed_tokens.pop(rid, None)
+
+    def flush(self) -> None:
+        """Apply the launch in flight, if any (async scheduling; run when no request is left to step)."""
+        self._apply_in_flight()
+
+    def usage(self) -> dict:
+        """Requests running and waiting, KV pages and request slots in use and in all (page 0 and slot 0,
+        the null ones, not counted)."""
+        s = self.scheduler
+        pages, slots = self.memory.num_kv_pages - 1, self.ecfg.num_slots - 1
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "kv_pages_used": pages - s.pages.num_free, "kv_pages_total": pages,
+                "slots_used": slots - s.slots.num_free, "slots_total": slots}
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -365,7 +394,7 @@ class LLMEngine:
             self.step()
             if on_step:
                 on_step()
-        self._apply_in_flight()  # async: a last step of requests that had all finished
+        self.flush()  # async: a last step of requests that had all finished
 
     # ------------------------------------------------------------------------------------ outputs
     def output(self, rid: int) -> RequestOutput:

@@ -9,6 +9,7 @@ itself (a recurrence is not idempotent, so the handoff point must be h(N-1), nev
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -42,6 +43,7 @@ class Handoff:
     conv: Array
     ssm: Array
     request_id: int = -1  # the prefill worker's id, for the orchestrator's bookkeeping
+    fingerprint: str = ""  # config_fingerprint of the prefill side; the decode side must match it
 
     ARRAYS = ("kv_k", "kv_v", "mtp_k", "mtp_v", "conv", "ssm")
 
@@ -49,7 +51,7 @@ class Handoff:
     def nbytes(self) -> int:
         return sum(int(np.prod(getattr(self, n).shape)) * getattr(self, n).dtype.itemsize for n in self.ARRAYS)
 
-    _MAGIC = b"JAXGDN-HANDOFF-1"  # format tag: 16 bytes, then a little-endian uint64 header length
+    _MAGIC = b"JAXGDN-HANDOFF-2"  # format tag and version: 16 bytes, then a little-endian uint64 header length
 
     def to_bytes(self) -> bytes:
         """Serialise to cross a process boundary: tag, header length, JSON header (request fields and each
@@ -62,31 +64,71 @@ class Handoff:
             offset += arr.nbytes
         meta = {"prompt_token_ids": self.prompt_token_ids, "num_computed": self.num_computed,
                 "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id,
-                "arrays": layout}
+                "fingerprint": self.fingerprint, "arrays": layout}
         header = json.dumps(meta).encode()
         raw = [memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) for arr in host]
         return b"".join([self._MAGIC, len(header).to_bytes(8, "little"), header, *raw])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Handoff":
-        """Inverse of to_bytes; the arrays are read-only views into data (no copy)."""
+        """Inverse of to_bytes; the arrays are read-only views into data (no copy). Raises ValueError for
+        bytes of another format or version, or cut short."""
         tag = len(cls._MAGIC)
         if bytes(data[:tag]) != cls._MAGIC:
+            if bytes(data[: tag - 1]) == cls._MAGIC[:-1]:
+                raise ValueError(f"handoff format {bytes(data[tag - 1:tag])!r}, this jaxgdn reads {cls._MAGIC[-1:]!r}")
             raise ValueError("not a jaxgdn handoff (Handoff.to_bytes output expected)")
         size = int.from_bytes(data[tag : tag + 8], "little")
-        meta = json.loads(bytes(data[tag + 8 : tag + 8 + size]))
+        try:
+            meta = json.loads(bytes(data[tag + 8 : tag + 8 + size]))
+            layout = meta.pop("arrays")
+        except (ValueError, KeyError):
+            raise ValueError(f"handoff header unreadable ({len(data)} bytes: truncated?)") from None
         base = tag + 8 + size
         arrays = {}
-        for name, dtype, shape, start in meta.pop("arrays"):
+        for name, dtype, shape, start in layout:
             dt = jnp.dtype(dtype)  # knows bfloat16, which numpy alone does not
             count = int(np.prod(shape, dtype=np.int64))
+            if base + start + count * dt.itemsize > len(data):
+                raise ValueError(f"handoff truncated: {len(data)} bytes, its {name} ends at "
+                                 f"{base + start + count * dt.itemsize}")
             arrays[name] = np.frombuffer(data, dt, count, base + start).reshape(shape)
         sp = meta.pop("sampling_params")
         sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
         return cls(sampling_params=SamplingParams(**sp), **meta, **arrays)
 
 
-def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prompt: list[int]) -> Handoff:
+def config_fingerprint(cfg: ModelConfig, dtype: str, kv_page_size: int) -> str:
+    """What both sides of a handoff must share: the model config, the cache dtype and the page size."""
+    text = json.dumps([dataclasses.asdict(cfg), str(dtype), kv_page_size], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def handoff_problem(h: Handoff, cfg: ModelConfig, fingerprint: str, page_size: int, num_mtp_layers: int) -> str | None:
+    """Why a decode worker cannot import h (another model or configuration, arrays of the wrong sizes), or None."""
+    if h.fingerprint != fingerprint:
+        return (f"handoff from another model or configuration (fingerprint {h.fingerprint or 'none'}, this worker's "
+                f"{fingerprint}): serve both sides with the same checkpoint, dtype and kv_page_size")
+    if not 0 <= h.num_computed < len(h.prompt_token_ids):
+        return f"handoff of {h.num_computed} computed tokens for a prompt of {len(h.prompt_token_ids)}"
+    pages = -(-h.num_computed // page_size)
+    n_attn, n_gdn = len(cfg.attention_layer_ids), len(cfg.gdn_layer_ids)
+    kv = (n_attn, pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    want = {"kv_k": kv, "kv_v": kv, "conv": (n_gdn, cfg.linear_conv_kernel_dim - 1, None),
+            "ssm": (n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)}
+    if num_mtp_layers:
+        want["mtp_k"] = want["mtp_v"] = (num_mtp_layers,) + kv[1:]
+    for name, shape in want.items():
+        got = tuple(getattr(h, name).shape)
+        if not pages and name.startswith(("kv", "mtp")) and got in ((0,), shape):
+            continue
+        if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+            return f"handoff {name} of shape {got}, expected {tuple('*' if w is None else w for w in shape)}"
+    return None
+
+
+def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prompt: list[int],
+                   fingerprint: str = "") -> Handoff:
     """Gather a finished prefill request's state from the prefill worker's pools."""
     n_pages = -(-req.num_computed // state.layers[cfg.attention_layer_ids[0]].k.shape[1]) if req.num_computed else 0
     pages = jnp.asarray(req.pages[:n_pages], jnp.int32)
@@ -107,6 +149,7 @@ def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prom
         conv=stack([g.conv[slot, :kc1] for g in gdn]),
         ssm=stack([g.ssm[slot, 0] for g in gdn]),
         request_id=req.request_id,
+        fingerprint=fingerprint,
     )
 
 

@@ -96,11 +96,14 @@ class Scheduler:
             req.slot = 0
 
     def finish(self, req: Request, reason: str) -> None:
+        """Finish a running or waiting request: its pages and slot are free for the next schedule."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.metrics.finished_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self._release(req)
 
     def _preempt(self, req: Request) -> None:

@@ -5,11 +5,18 @@ from __future__ import annotations
 from typing import Callable
 
 from .llm_engine import LLMEngine
-from .pd import Handoff, export_handoff, import_handoff
+from .pd import Handoff, config_fingerprint, export_handoff, handoff_problem, import_handoff
 from .request import Request, SamplingParams
 
 
-class PrefillWorker(LLMEngine):
+class _Worker(LLMEngine):
+    @property
+    def fingerprint(self) -> str:
+        """What the other side of a handoff must match (config_fingerprint)."""
+        return config_fingerprint(self.cfg, self.ecfg.dtype, self.ecfg.kv_page_size)
+
+
+class PrefillWorker(_Worker):
     """Runs prompt[:-1] of each request and exports a Handoff when it is done (in `handoffs_out`)."""
 
     def __init__(self, *args, **kwargs):
@@ -26,7 +33,7 @@ class PrefillWorker(LLMEngine):
     def _applied(self, req: Request) -> None:
         if req.prefill_only and req.num_computed == req.prefill_len:
             self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
-                                                    req.prompt_token_ids + [req.next_prompt_token]))
+                                                    req.prompt_token_ids + [req.next_prompt_token], self.fingerprint))
             self.scheduler.finish(req, "handoff")
 
     def pop_handoffs(self) -> list[Handoff]:
@@ -34,7 +41,7 @@ class PrefillWorker(LLMEngine):
         return out
 
 
-class DecodeWorker(LLMEngine):
+class DecodeWorker(_Worker):
     """Imports Handoffs into fresh pages/slots and serves the request from the prompt tail on."""
 
     def __init__(self, *args, **kwargs):
@@ -42,14 +49,20 @@ class DecodeWorker(LLMEngine):
         self.handoff_bytes_in = 0
 
     def submit(self, handoff: Handoff) -> int:
-        """Queue a request whose first num_computed tokens arrive as state."""
-        rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params)
+        """Queue a request whose first num_computed tokens arrive as state. A handoff from another model or
+        configuration, or with arrays of the wrong sizes, finishes its request with an error."""
+        rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params, error=self.check(handoff))
         req = self.requests[rid]
         if req.error is None and handoff.num_computed:
             req.num_computed = handoff.num_computed
             req.handoff = handoff
             self.handoff_bytes_in += handoff.nbytes
         return rid
+
+    def check(self, handoff: Handoff) -> str | None:
+        """Why this worker cannot serve the handoff (another model or configuration, wrong sizes), or None."""
+        return handoff_problem(handoff, self.cfg, self.fingerprint, self.ecfg.kv_page_size,
+                               len(self.runner.state.mtp_layers))
 
     def _admitted(self, req: Request) -> None:
         if req.handoff is not None:  # admitted this step: its state goes into the fresh slot and pages

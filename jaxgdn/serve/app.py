@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over an AsyncEngine.
+
+Endpoints: /v1/completions and /v1/chat/completions (stream=true: server-sent events), /v1/models, /health,
+/metrics (Prometheus text). A prefill role serves /v1/prefill instead of the OpenAI endpoints: a prompt in,
+its Handoff's bytes out. A decode role given a prefill URL fetches each prompt's Handoff from there, so it
+serves the one OpenAI endpoint of a PD deployment (as vLLM's disaggregated proxy does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..engine.pd import Handoff
+from ..engine.request import SamplingParams
+from ..model.tokenizer import Tokenizer
+from .async_engine import AsyncEngine, EngineDead, EngineFull
+from .metrics import prometheus_text
+from .protocol import BadRequest, ChatRequest, CompletionRequest, _Sampling, error_body
+from .text import TextStream, render_chat
+
+logger = logging.getLogger("jaxgdn.serve")
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes share. role: "both" (a plain or one-process PD engine), "prefill" or "decode";
+    prefill_url: where a decode role fetches handoffs (None: it prefills itself). request_timeout: seconds
+    before a request is aborted (None: never)."""
+
+    front: AsyncEngine
+    model_name: str
+    tokenizer: Tokenizer | None
+    role: str = "both"
+    prefill_url: str | None = None
+    request_timeout: float | None = None
+    shutdown_abort: bool = True
+    http: object = None  # httpx.AsyncClient of a decode role with a prefill_url
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its prompt's ids and parameters, and what it produced."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    handoff: Handoff | None = None  # a request pushed to a decode role prefilled
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.role == "decode" and state.prefill_url:
+            import httpx
+
+            state.http = httpx.AsyncClient(base_url=state.prefill_url, timeout=None)
+        yield
+        # uvicorn has let the open requests finish (or its graceful timeout ran out): abort the rest
+        state.front.shutdown(abort=state.shutdown_abort)
+        if state.http is not None:
+            await state.http.aclose()
+
+    app = FastAPI(title="jaxgdn", lifespan=lifespan)
+    app.state.jaxgdn = state
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_, e: BadRequest):
+        return JSONResponse(error_body(str(e), e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where),
+                            status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if not state.front.alive:
+            return JSONResponse({"status": "dead", "error": repr(state.front.error)}, status_code=503)
+        return {"status": "ok", "role": state.role}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(state.front.snapshot, state.role),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        ecfg = state.front.validator.ecfg
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxgdn", "max_model_len": ecfg.max_model_len}]}
+
+    if state.role == "prefill":
+        @app.post("/v1/prefill")
+        async def prefill(request: Request):
+            """{"prompt_token_ids": [...], "sampling_params": {...}} -> the request's Handoff bytes."""
+            body = await request.json()
+            try:
+                ids = [int(t) for t in body["prompt_token_ids"]]
+                sp = SamplingParams(**{**body.get("sampling_params", {}),
+                                       "stop_token_ids": tuple(body.get("sampling_params", {}).get("stop_token_ids", ()))})
+            except (KeyError, TypeError, ValueError) as e:
+                raise BadRequest(f"bad prefill request: {e}") from None
+            _check(state, ids, sp)
+            async for delta in _generate(state, ids, sp):
+                if delta.handoff is not None:
+                    return Response(delta.handoff.to_bytes(), media_type="application/octet-stream")
+                if delta.finished:
+                    raise BadRequest(delta.error or f"prefill ended: {delta.finish_reason}", status=500,
+                                     kind="server_error")
+        return app
+
+    if state.role == "decode":
+        @app.post("/v1/handoff")
+        async def handoff(request: Request):
+            """A prefilled request pushed as Handoff bytes (a prefill server's /v1/prefill answer): its
+            completion, with the sampling parameters the handoff carries."""
+            try:
+                h = Handoff.from_bytes(await request.body())
+            except ValueError as e:
+                raise BadRequest(f"bad handoff: {e}") from None
+            problem = state.front.engine.check(h)
+            if problem:
+                raise BadRequest(problem)
+            decode = state.tokenizer.decode if state.tokenizer else None
+            c = _Choice(0, list(h.prompt_token_ids), h.sampling_params, TextStream(decode), handoff=h)
+            return await _respond(state, _Sampling(), [c], chat=False)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompts = _prompts(state, body.prompt)
+        choices = _choices(state, body, prompts, 16)
+        return await _respond(state, body, choices, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        tok = state.tokenizer
+        if tok is None or not tok.chat_template:
+            raise BadRequest(f"model {state.model_name} has no chat template (chat_template.jinja); use /v1/completions")
+        try:
+            text = render_chat(tok.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages])
+        except BadRequest:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template error is the request's
+            raise BadRequest(f"chat template failed on these messages: {e}", "messages") from None
+        if body.max_completion_tokens and not body.max_tokens:
+            body.max_tokens = body.max_completion_tokens
+        ids = list(tok.encode(text))
+        choices = _choices(state, body, [ids], None)
+        return await _respond(state, body, choices, chat=True)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------ requests
+def _prompts(state: ServerState, prompt) -> list[list[int]]:
+    """The token ids of each prompt of a completion request (text needs the model's tokenizer)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise BadRequest("prompt is empty", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if state.tokenizer is None:
+                raise BadRequest(f"model {state.model_name} has no tokenizer; send token ids as the prompt", "prompt")
+            p = list(state.tokenizer.encode(p))
+        out.append([int(t) for t in p])
+    return out
+
+
+def _check(state: ServerState, ids: list[int], sp: SamplingParams) -> None:
+    problem = state.front.validator.validate(ids, sp)
+    if problem:
+        raise BadRequest(problem, "prompt" if "prompt" in problem or "token" in problem else None)
+
+
+def _choices(state: ServerState, body: _Sampling, prompts: list[list[int]],
+             default_max_tokens: int | None) -> list[_Choice]:
+    if body.model is not None and body.model != state.model_name:
+        raise BadRequest(f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
+                         "model", kind="invalid_request_error")
+    body.check_unsupported()
+    max_len = state.front.validator.ecfg.max_model_len
+    decode = state.tokenizer.decode if state.tokenizer else None
+    choices = []
+    for p, ids in enumerate(prompts):
+        for j in range(body.n):
+            sp = body.sampling_params(j, default_max_tokens or max(1, max_len - len(ids)))
+            _check(state, ids, sp)
+            choices.append(_Choice(p * body.n + j, ids, sp, TextStream(decode, body.stop_strings)))
+    return choices
+
+
+async def _generate(state: ServerState, ids: list[int], sp: SamplingParams, handoff: Handoff | None = None
+                    ) -> AsyncIterator:
+    """The request's deltas; a decode role with a prefill URL fetches the prompt's handoff first."""
+    if handoff is not None:
+        ids = None
+    elif state.http is not None and len(ids) > 1:
+        import httpx
+
+        try:
+            r = await state.http.post("/v1/prefill", json={"prompt_token_ids": ids,
+                                                           "sampling_params": dataclasses.asdict(sp)})
+        except httpx.HTTPError as e:
+            raise BadRequest(f"prefill server {state.prefill_url} unreachable: {e!r}", status=502,
+                             kind="server_error") from None
+        if r.status_code != 200:
+            raise BadRequest(f"prefill server: {r.text}", status=502, kind="server_error")
+        try:
+            handoff = Handoff.from_bytes(r.content)
+        except ValueError as e:
+            raise BadRequest(f"prefill server sent a bad handoff: {e}", status=502, kind="server_error") from None
+        ids = None
+    try:
+        async for delta in state.front.generate(ids, sp, handoff=handoff, timeout=state.request_timeout):
+            yield delta
+    except EngineFull as e:
+        raise BadRequest(str(e), status=429, kind="rate_limit_error") from None
+    except EngineDead as e:
+        raise BadRequest(str(e), status=503, kind="server_error") from None
+
+
+async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
+    """Run one choice to its end, calling on_text(choice, text, token_ids) for what it may send as it goes;
+    a stop string ends it early (finish_reason "stop")."""
+    gen = _generate(state, c.prompt_ids, c.params, c.handoff)
+    try:
+        async for delta in gen:
+            c.token_ids += delta.token_ids
+            text = c.text.add(delta.token_ids, final=delta.finished)
+            if c.text.stopped:
+                c.finish_reason = "stop"
+            elif delta.finished:
+                c.finish_reason, c.error = delta.finish_reason, delta.error
+            if text or delta.token_ids or c.finish_reason:
+                if on_text is not None:
+                    await on_text(c, text, delta.token_ids)
+            if c.finish_reason:
+                break
+    finally:
+        await gen.aclose()  # a stop string (or a client gone) aborts the engine's request
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _respond(state: ServerState, body: _Sampling, choices: list[_Choice], chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
+    if not body.stream:
+        await asyncio.gather(*(_run_choice(state, c) for c in choices))
+        failed = [c for c in choices if c.finish_reason == "error"]
+        if failed:
+            raise BadRequest(failed[0].error or "request failed", status=500, kind="server_error")
+        out = []
+        for c in choices:
+            item = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+            if chat:
+                item["message"] = {"role": "assistant", "content": c.text.text}
+            else:
+                item |= {"text": c.text.text, "logprobs": None}
+            out.append(item)
+        return {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": out,
+                "usage": _usage(choices)}
+
+    # validate up front (errors as JSON with a status), then stream
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_text(c: _Choice, text: str, token_ids: list[int]):
+        await queue.put((c, text, token_ids))
+
+    async def run(c: _Choice):
+        try:
+            await _run_choice(state, c, on_text)
+        except BadRequest as e:
+            c.finish_reason, c.error = "error", str(e)
+            await queue.put((c, "", []))
+
+    def chunk(c: _Choice, text: str, token_ids: list[int], first: bool) -> str:
+        if chat:
+            delta = ({"role": "assistant", "content": text} if first else {"content": text})
+            item = {"index": c.index, "delta": delta}
+        else:
+            item = {"index": c.index, "text": text, "logprobs": None}
+        item |= {"finish_reason": c.finish_reason, "token_ids": token_ids}
+        if c.error:
+            item["error"] = c.error
+        obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+               "model": state.model_name, "choices": [item]}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def events():
+        tasks = [asyncio.create_task(run(c)) for c in choices]
+        started: set[int] = set()
+        try:
+            left = len(choices)
+            while left:
+                c, text, token_ids = await queue.get()
+                yield chunk(c, text, token_ids, c.index not in started)
+                started.add(c.index)
+                left -= c.finish_reason is not None
+            if body.stream_options and body.stream_options.include_usage:
+                usage = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                         "model": state.model_name, "choices": [], "usage": _usage(choices)}
+                yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # the client left: abort what runs
+                t.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,306 @@
+"""AsyncEngine: one thread steps the engine continuously; requests are added and aborted from any thread or
+asyncio task, and each request's new tokens are pushed to it after every step.
+
+It serves one of four setups: a plain engine; PD in one process (a PrefillWorker and a DecodeWorker, handoffs
+routed on the engine thread); a prefill role (a PrefillWorker whose requests end in a Handoff); a decode role
+(a DecodeWorker fed Handoffs that another process prefilled). Everything that touches an engine runs on the
+engine thread, so the engines need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.pd import Handoff
+from ..engine.request import PLACEHOLDER_TOKEN, RequestOutput, SamplingParams
+from ..engine.workers import DecodeWorker, PrefillWorker
+
+logger = logging.getLogger("jaxgdn.serve")
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one request produced since its last delta. The last delta of a request has finish_reason set
+    ("stop", "length", "abort", "error" with `error`, or "handoff" with `handoff` in a prefill role) and the
+    whole `output`."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    handoff: Handoff | None = None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised): no request can be served."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    sink: Callable[[Delta], None]
+    engine: LLMEngine | None = None  # where the request is now (a PD request moves from prefill to decode)
+    rid: int = -1
+    sent: int = 0  # output tokens already pushed
+
+
+class AsyncEngine:
+    """prefill: a PrefillWorker (PD in one process with `engine` a DecodeWorker; a prefill role alone);
+    engine: an LLMEngine or DecodeWorker. max_waiting: requests queued beyond the running ones before
+    `submit` refuses more (EngineFull)."""
+
+    def __init__(self, engine: LLMEngine | None = None, prefill: PrefillWorker | None = None, *,
+                 max_waiting: int = 4096):
+        if engine is None and prefill is None:
+            raise ValueError("AsyncEngine needs an engine, a prefill worker, or both")
+        if prefill is not None and engine is not None and not isinstance(engine, DecodeWorker):
+            raise ValueError("PD in one process needs a DecodeWorker beside the PrefillWorker")
+        self.engine, self.prefill, self.max_waiting = engine, prefill, max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, _Stream] = {}  # by (engine id, rid): the live requests
+        self._ids = itertools.count()
+        self._pending = 0  # submitted, not yet finished (read from other threads for admission)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.closing = False  # shutdown() called: no new requests
+        self.counters = collections.Counter()  # prompt/generation tokens, finished requests by reason
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
+        self.snapshot: dict = {}
+
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [e for e in (self.prefill, self.engine) if e is not None]
+
+    @property
+    def validator(self) -> LLMEngine:
+        """The engine whose validate() judges a request (same model and limits on both PD sides)."""
+        return self.engine or self.prefill  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------ any thread
+    def start(self) -> "AsyncEngine":
+        self._thread = threading.Thread(target=self._run, name="jaxgdn-engine", daemon=True)
+        self._thread.start()
+        self._publish()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.stopped
+
+    def submit(self, prompt_token_ids: list[int] | None, params: SamplingParams, sink: Callable[[Delta], None],
+               handoff: Handoff | None = None) -> int:
+        """Queue a request (token ids, or a prefilled Handoff for a decode role); sink gets its deltas on the
+        engine thread. Returns a handle for abort(). Raises EngineFull or EngineDead instead of queueing."""
+        if not self.alive or self.closing:
+            raise EngineDead(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
+        with self._lock:
+            if self._pending >= self.max_waiting + self.validator.ecfg.max_num_seqs:
+                raise EngineFull(f"{self._pending} requests in the server; try again later")
+            self._pending += 1
+        handle = next(self._ids)
+        self._inbox.put(("add", handle, _Stream(sink), prompt_token_ids, params, handoff))
+        return handle
+
+    def abort(self, handle: int) -> None:
+        """Finish the request now (finish_reason "abort"); its pages and slot are free on the next step."""
+        self._inbox.put(("abort", handle))
+
+    def shutdown(self, abort: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread: abort the requests in flight (each gets its last delta), or with
+        abort=False finish them first."""
+        if self._thread is None:
+            return
+        self.closing = True
+        self._inbox.put(("stop", abort))
+        self._thread.join(timeout)
+
+    async def generate(self, prompt_token_ids: list[int] | None, params: SamplingParams,
+                       handoff: Handoff | None = None, timeout: float | None = None) -> AsyncIterator[Delta]:
+        """The request's deltas as an async iterator, the last one finished. Leaving the iteration early
+        (client gone, task cancelled) or running past timeout seconds aborts the request."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        handle = self.submit(prompt_token_ids, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
+                             handoff)
+        finished = False
+        try:
+            async with asyncio.timeout(timeout):
+                while not finished:
+                    delta = await deltas.get()
+                    finished = delta.finished
+                    yield delta
+        except TimeoutError:
+            self.abort(handle)
+            while not finished:  # the abort's last delta carries what was produced
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(handle)
+
+    # ------------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            stopping = None
+            while True:
+                busy = any(e.has_unfinished for e in self.engines)
+                for cmd in self._commands(block=not busy and stopping is None):
+                    if cmd[0] == "stop":
+                        stopping = cmd[1]
+                    else:
+                        self._handle(cmd)
+                if stopping is not None:
+                    if stopping:
+                        for handle in list(self._streams):
+                            self._abort(handle)
+                    if not any(e.has_unfinished for e in self.engines):
+                        self._emit()
+                        break
+                self._step()
+                self._emit()
+                self._publish()
+        except BaseException as e:  # a step failed: every request gets an error, the server reports unhealthy
+            logger.exception("engine thread failed")
+            self.error = e
+            for s in self._streams.values():
+                self._safe_sink(s, Delta([], "error", error=f"engine failure: {e!r}"))
+            self._streams.clear()
+        finally:
+            self.stopped = True
+            for e in self.engines:
+                try:
+                    e.flush()
+                except Exception:  # noqa: BLE001 - a failed engine has nothing more to give
+                    pass
+            # requests that arrived after the loop ended
+            while True:
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._finished("abort")
+                    self._safe_sink(cmd[2], Delta([], "abort", error="the server is shutting down"))
+
+    def _commands(self, block: bool):
+        """Every queued command; when block, wait for the first."""
+        if block:
+            for e in self.engines:
+                e.flush()  # the launch of requests that all finished
+            yield self._inbox.get()
+        while True:
+            try:
+                yield self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            self._abort(cmd[1])
+            return
+        _, handle, s, ids, params, handoff = cmd
+        self._streams[handle] = s
+        if handoff is not None:  # a decode role: the prompt's state arrives prefilled
+            s.engine, s.rid = self.engine, self.engine.submit(handoff)
+        elif self.prefill is not None and len(ids) > 1 and self.prefill.validate(ids, params) is None:
+            s.engine, s.rid = self.prefill, self.prefill.submit(ids, params)
+        elif self.engine is not None:  # also a 1-token or bad prompt under PD: nothing to prefill / fail there
+            s.engine, s.rid = self.engine, self.engine.add_request(ids, params)
+        else:  # a prefill role: a bad request fails on the prefill worker
+            s.engine, s.rid = self.prefill, self.prefill.add_request(ids, params)
+        req = s.engine.requests[s.rid]
+        if req.error is None:
+            self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+
+    def _abort(self, handle: int) -> None:
+        s = self._streams.get(handle)
+        if s is not None:
+            s.engine.abort_request(s.rid)
+
+    def _step(self) -> None:
+        if self.prefill is not None and self.prefill.has_unfinished:
+            self.prefill.step()
+            by_rid = {s.rid: (h, s) for h, s in self._streams.items() if s.engine is self.prefill}
+            for handoff in self.prefill.pop_handoffs():
+                handle, s = by_rid[handoff.request_id]
+                self.prefill.forget(s.rid)
+                if self.engine is not None:  # PD in one process: the decode worker takes it on
+                    s.engine, s.rid = self.engine, self.engine.submit(handoff)
+                else:
+                    del self._streams[handle]
+                    self._finished("handoff")
+                    self._safe_sink(s, Delta([], "handoff", handoff=handoff))
+        if self.engine is not None and self.engine.has_unfinished:
+            self.engine.step()
+
+    def _emit(self) -> None:
+        """Push every live request's new tokens; the last delta of the requests that finished."""
+        now, produced = time.perf_counter(), 0
+        for handle, s in list(self._streams.items()):
+            req = s.engine.requests[s.rid]
+            out, end = req.output_token_ids, s.sent
+            while end < len(out) and out[end] != PLACEHOLDER_TOKEN:  # async: values still on the device
+                end += 1
+            new = out[s.sent:end]
+            s.sent = end
+            produced += len(new)
+            if req.finish_reason is not None:
+                del self._streams[handle]
+                output = s.engine.output(s.rid)
+                s.engine.forget(s.rid)
+                self._finished(req.finish_reason)
+                self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output))
+            elif new:
+                self._safe_sink(s, Delta(new))
+        self.counters["generation_tokens"] += produced
+        if produced:
+            self._recent.append((now, produced))
+
+    def _finished(self, reason: str) -> None:
+        self.counters[f"finished_{reason}"] += 1
+        with self._lock:
+            self._pending -= 1
+
+    @staticmethod
+    def _safe_sink(s: _Stream, delta: Delta) -> None:
+        try:
+            s.sink(delta)
+        except Exception:  # noqa: BLE001 - one client's callback never stops the engine
+            logger.exception("a request's sink raised; its delta is dropped")
+
+    def _publish(self, window: float = 10.0) -> None:
+        """A snapshot of the engine's gauges for other threads (/metrics); tokens/s over the last window s."""
+        now = time.perf_counter()
+        while self._recent and self._recent[0][0] < now - window:
+            self._recent.popleft()
+        usage = collections.Counter()
+        for e in self.engines:
+            usage.update(e.usage())
+        main = self.engine or self.prefill
+        spec = main.spec_metrics()
+        self.snapshot = {
+            **usage, **self.counters,
+            "generation_tokens_per_s": sum(n for _, n in self._recent) / window,
+            "compiles_after_startup": sum(e.compiles_after_startup for e in self.engines),
+            "num_steps": sum(e.num_steps for e in self.engines),
+            "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
+        }
+
+
+class EngineFull(RuntimeError):
+    """The server holds max_waiting requests beyond its running ones: refuse (HTTP 429) rather than queue."""

@@ -1,0 +1,112 @@
+"""The OpenAI request bodies the server accepts (pydantic), their sampling parameters, and OpenAI's error
+shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.request import SamplingParams
+
+
+class BadRequest(ValueError):
+    """A client error: HTTP `status` with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do; fields that
+    would change the output but are not implemented are refused (see check_unsupported)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    logprobs: bool | int | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise BadRequest(f"{name} is not supported by jaxgdn", name)
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported by jaxgdn", "logit_bias")
+        if self.logprobs not in (None, False, 0):
+            raise BadRequest("logprobs are not supported by jaxgdn", "logprobs")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, index: int, default_max_tokens: int) -> SamplingParams:
+        """The engine's parameters for choice number `index` of n (a seeded request's choices get seed + index,
+        so they differ yet reproduce)."""
+        sp = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            max_tokens=self.max_tokens or default_max_tokens,
+            seed=None if self.seed is None else self.seed + index,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+        try:
+            sp.validate()
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return sp
+
+
+class CompletionRequest(_Sampling):
+    """prompt: text, token ids, or a list of either (one choice group per prompt)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The message's text (a list of content parts: its text parts joined)."""
+        if isinstance(self.content, list):
+            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+            if len(parts) != len(self.content):
+                raise BadRequest("only text content parts are supported", "messages")
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
