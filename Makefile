@@ -19,9 +19,10 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m jaxgdn.generate
 
-# Two workers (pytest-xdist): the suite is mostly XLA compiles, one at a time per process.
+# Two workers (pytest-xdist): the suite is mostly XLA compiles, one at a time per process; tests that share
+# servers carry an xdist_group and run on one worker.
 test: venv
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tests, then the benchmark suite, on one H200 through the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd
+#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform any \
+#     -d gpu_wheels fastapi uvicorn httpx prometheus-client jinja2          (the server's, for serve-http)
+#   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
+#                                     serve-http decode prefill spec kernels pd
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
 # Results go to $OUT (the device tool brings them back), else bench/results; `python -m jaxgdn.bench table`
 # prints them.
@@ -11,7 +14,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -34,6 +37,15 @@ for step in $steps; do
     # the mixed workload users reported: 128 requests, prompts 256-1024, outputs 32-256
     serve-mixed) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 128 --input-len 256 1024 \
              --output-len 32 256 --max-num-seqs 64 --max-num-batched-tokens 8192 --out "$dest/serve-mixed_gpu_$stamp.json" ;;
+    # the server over HTTP against the engine in-process, both at 64 requests in flight
+    serve-http)
+      python3 -m jaxgdn.serve --model qwen3.5-0.8b --port 8000 --log-level warning > "$dest/serve-http-server_$stamp.txt" 2>&1 &
+      server=$!
+      for _ in $(seq 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+      workload="--model qwen3.5-0.8b --num-prompts 1000 --input-len 256 1024 --output-len 32 512 --max-concurrency 64"
+      timeout 300 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 $workload --out "$dest/serve-http_gpu_$stamp.json"
+      kill $server
+      timeout 280 python3 -m jaxgdn.bench serve $workload --no-peer --out "$dest/serve-c64_gpu_$stamp.json" ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" ;;
     prefill) timeout 300 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" ;;

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
@@ -6,8 +7,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # compiles them faster than it slows them (tests/test_multi_step.py rejected-drafts test: 62 -> 36 s).
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [
         os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
-# No persistent compilation cache in tests (hermetic runs); test_engine checks the switch itself.
-os.environ.setdefault("JAXGDN_CACHE_DIR", "")
+# One persistent compilation cache per test run, fresh each run (hermetic), shared by the xdist workers and
+# the processes tests start: a program two tests compile is compiled once. test_engine checks the switch.
+os.environ.setdefault("JAXGDN_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jaxgdn-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
 import jax  # noqa: E402
 import torch  # noqa: E402

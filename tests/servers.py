@@ -88,3 +88,16 @@ def serve_processes(*arg_lists: list[str], start_timeout: float = 300):
                 proc.kill()
         for log in logs:
             log.close()
+
+
+def drained(front, timeout: float = 10.0) -> dict:
+    """The AsyncEngine's snapshot once no request runs or waits and no page or slot is in use (the engine thread
+    publishes it after the step that ends the last request), or the last one seen after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = front.snapshot
+        busy = snap["running"] or snap["waiting"] or snap["kv_pages_used"] or snap["slots_used"]
+        if not busy or time.monotonic() > deadline:
+            return snap
+        time.sleep(0.02)
+

@@ -89,7 +89,7 @@ def test_async_scheduling_is_the_default_where_it_can_be():
 
 # ---------------------------------------------------------------------------------- with MTP drafts
 def mtp_engine(params, cfg, async_scheduling: bool, steps: int, K: int, **kw) -> LLMEngine:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, kv_page_size=8, dtype="float32",
+    base = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, kv_page_size=8, dtype="float32",
                 num_speculative_tokens=K, decode_steps_per_launch=steps)
     return LLMEngine(params, cfg, EngineConfig(**{**base, **kw}, async_scheduling=async_scheduling), garbage_seed=5)
 

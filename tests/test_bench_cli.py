@@ -40,7 +40,8 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
 @pytest.mark.parametrize("command, extra", [
     ("decode", ["--batch", "1", "2", "--steps", "8", "--bandwidth-bytes", "1000000", "--profile", "PROFILE",
                 "--async-scheduling", "on", "--decode-steps-per-launch", "2"]),
-    ("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE", "--stream-steps", "3"]),
+    pytest.param("prefill", ["--shapes", "1x16", "2x8", "--matmul-size", "128", "--profile", "PROFILE",
+                             "--stream-steps", "3"], marks=pytest.mark.slow),
 ])
 def test_model_benches_on_the_shipped_model(tmp_path, command, extra):
     extra = [str(tmp_path / "profile") if a == "PROFILE" else a for a in extra]

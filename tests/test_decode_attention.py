@@ -183,7 +183,8 @@ def test_decode_attention_kernel_lowers_to_triton_without_a_gpu(grouped, splits)
     assert "triton" in text.lower()
 
 
-@pytest.mark.parametrize("fused, form", [(True, "head"), (True, "split"), (False, None)])
+@pytest.mark.parametrize("fused, form", [(True, "head"), pytest.param(True, "split", marks=pytest.mark.slow),
+                                         (False, None)])
 def test_engine_fused_decode_kernels_switch(fused, form):
     """KernelPolicy.fused_decode picks the one-kernel forms (GDN mixer, decode attention) or the chains for the
     MTP verify launches of uniform programs (two steps a launch; kernels in interpret mode; the mixer from one

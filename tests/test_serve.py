@@ -3,11 +3,12 @@ package and httpx. Greedy outputs equal LLM.generate's; errors have OpenAI's sha
 200 requests from 32 concurrent clients, some aborted midway, lose nothing and leave every page and slot free."""
 
 import asyncio
+import queue
 import random
 
 import httpx
 import pytest
-from servers import serve_in_thread
+from servers import drained, serve_in_thread
 from openai import AsyncOpenAI, OpenAI
 
 from jaxgdn import task
@@ -15,9 +16,11 @@ from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
 from jaxgdn.generate import default_checkpoint
 from jaxgdn.llm import LLM
+from jaxgdn.serve.async_engine import AsyncEngine, EngineDead
 
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, dtype="float32",
                       precompile=False)
+pytestmark = pytest.mark.xdist_group("serve")  # one worker compiles the server's programs
 MODEL = "qwen35-tiny-arith"
 PROBLEMS = task.take("test", 200)
 
@@ -39,7 +42,7 @@ def greedy(n):
 
 
 def assert_all_free(state):
-    usage = state.front.snapshot
+    usage = drained(state.front)
     assert (usage["running"], usage["waiting"], usage["kv_pages_used"], usage["slots_used"]) == (0, 0, 0, 0), usage
 
 
@@ -149,13 +152,35 @@ def test_200_requests_from_32_clients_some_aborted_lose_nothing(server, referenc
     kept = [i for i, (_, _, hang_up) in enumerate(jobs) if not hang_up]
     offline = reference.generate([jobs[i][0] for i in kept], [greedy(jobs[i][1]) for i in kept], use_tqdm=False)
     assert [results[i] for i in kept] == [o.text for o in offline]
-    for _ in range(100):  # the engine applies the last aborts on its next pass
-        if state.front.snapshot["running"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.05))
-    after = state.front.snapshot
+    after = drained(state.front)  # the engine applies the last aborts on its next pass
     finished = sum(after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("finished_"))
     assert finished == len(jobs)
     assert after.get("finished_abort", 0) - before.get("finished_abort", 0) <= len(jobs) - len(kept)
     assert after.get("finished_error", 0) == before.get("finished_error", 0)
     assert_all_free(state)
+
+
+def test_shutdown_aborts_or_finishes_the_requests_in_flight(reference):
+    """shutdown(abort=True) ends every request in flight with its tokens so far and finish_reason "abort";
+    shutdown(abort=False) lets them finish. Either way each request gets its last delta and the pools drain;
+    a request submitted afterwards is refused."""
+    prompts = [reference.tokenizer.encode(p.prompt()) for p in PROBLEMS[:4]]
+    for abort in (True, False):
+        front = AsyncEngine(reference.engine).start()
+        deltas: queue.Queue = queue.Queue()
+        for i, ids in enumerate(prompts):
+            front.submit(ids, greedy(64), lambda d, i=i: deltas.put((i, d)))
+        first = deltas.get(timeout=120)  # a step has run
+        front.shutdown(abort=abort, timeout=120)
+        got = [first] + [deltas.get_nowait() for _ in range(deltas.qsize())]
+        last = {i: d for i, d in got if d.finished}
+        assert sorted(last) == list(range(len(prompts)))
+        reasons = {d.finish_reason for d in last.values()}
+        if abort:  # a request may have ended on its own in the step that ran before the abort
+            assert "abort" in reasons and reasons <= {"abort", "stop", "length"}
+        else:
+            assert reasons <= {"stop", "length"}
+        assert reference.engine.usage()["kv_pages_used"] == 0 and reference.engine.usage()["slots_used"] == 0
+        with pytest.raises(EngineDead):
+            front.submit(prompts[0], greedy(4), lambda d: None)
+

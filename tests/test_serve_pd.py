@@ -8,27 +8,28 @@ import asyncio
 
 import httpx
 import pytest
-from servers import ROOT, free_port, serve_in_thread, serve_processes
+from servers import ROOT, drained, free_port, serve_in_thread, serve_processes
 
 from jaxgdn import eval as jeval
 from jaxgdn import task
 from jaxgdn.generate import default_checkpoint
 
+pytestmark = pytest.mark.xdist_group("serve_pd")  # one worker starts the servers, once
 MODEL = "qwen35-tiny-arith"
-NUM_PROBLEMS = 16
+NUM_PROBLEMS = 8
 EVAL_ARGS = jeval.parse_args(["--limit", str(NUM_PROBLEMS), "--dtype", "float32", "--max-model-len", "512",
                               "--max-num-batched-tokens", "256", "--quiet"])
 PROBLEMS = task.take("test", NUM_PROBLEMS)
-# the flags of eval's configuration at concurrency 8, with MTP K=1, for both PD processes
-SERVE_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "512",
-              "--num-kv-pages", str(1 + 8 * 32), "--dtype", "float32", "--precompile", "off",
+# the flags of eval's configuration at concurrency 16 (test_task_eval's too), with MTP K=1, for both PD processes
+SERVE_ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "512",
+              "--num-kv-pages", str(1 + 16 * 32), "--dtype", "float32", "--precompile", "off",
               "--num-speculative-tokens", "1", "--served-model-name", MODEL]
 
 
 @pytest.fixture(scope="module")
 def baseline():
     """jaxgdn.eval's baseline row (no PD, no MTP, one process) on the first test problems."""
-    sc = jeval.ServeConfig("baseline", concurrency=8)
+    sc = jeval.ServeConfig("baseline", concurrency=16)
     return jeval.run_config(str(default_checkpoint()), [p.prompt() for p in PROBLEMS], [p.answer for p in PROBLEMS],
                             sc, EVAL_ARGS, None)
 
@@ -45,8 +46,8 @@ def pd_servers():
         yield decode, bug, prefill_url
 
 
-def complete(url: str, concurrency: int) -> list[list[int]]:
-    """Every problem's greedy completion tokens from the server, at most `concurrency` requests at a time."""
+def complete(url: str, concurrency: int, problems=PROBLEMS) -> list[list[int]]:
+    """Each problem's greedy completion tokens from the server, at most `concurrency` requests at a time."""
     async def run():
         gate = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -56,14 +57,14 @@ def complete(url: str, concurrency: int) -> list[list[int]]:
                         "model": MODEL, "prompt": p.prompt(), "max_tokens": EVAL_ARGS.max_tokens, "temperature": 0})
                     assert r.status_code == 200, r.text
                     return r.json()["choices"][0]["token_ids"]
-            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROBLEMS)), timeout=600)
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in problems)), timeout=600)
     return asyncio.run(run())
 
 
 def test_two_process_pd_mtp_equals_one_process_and_the_bug_diverges_at_8_only(pd_servers, baseline):
     decode, bug, _ = pd_servers
     assert complete(decode, 8) == baseline.token_ids
-    assert complete(bug, 1) == baseline.token_ids
+    assert complete(bug, 1, PROBLEMS[:3]) == baseline.token_ids[:3]
     diverged = sum(a != b for a, b in zip(complete(bug, 8), baseline.token_ids))
     assert diverged > 0
 
@@ -103,7 +104,38 @@ def lm_eval_accuracy(completions_url: str) -> float:
 
 def test_lm_eval_on_the_plain_server_and_the_pd_pair_equals_jaxgdn_eval(pd_servers, baseline):
     decode, _, _ = pd_servers
-    config = jeval.engine_config(jeval.ServeConfig("baseline", concurrency=8), EVAL_ARGS)
+    config = jeval.engine_config(jeval.ServeConfig("baseline", concurrency=16), EVAL_ARGS)
     with serve_in_thread(str(default_checkpoint()), config, MODEL) as (plain, _):
         assert lm_eval_accuracy(plain) == pytest.approx(baseline.accuracy)
     assert lm_eval_accuracy(decode) == pytest.approx(baseline.accuracy)
+
+
+def test_one_process_pd_behind_the_async_front_equals_the_baseline(baseline):
+    """`serve --pd` (both workers in the server process, handoffs routed on the engine thread) serves the
+    baseline's tokens; this front is what the HTTP routes drive."""
+    from jaxgdn.llm import LLM
+    from jaxgdn.serve.async_engine import AsyncEngine
+    from jaxgdn.engine.request import SamplingParams
+
+    config = jeval.engine_config(jeval.ServeConfig("pd+mtp", pd=True, num_speculative_tokens=1, concurrency=16),
+                                 EVAL_ARGS)
+    llm = LLM(str(default_checkpoint()), config)
+    front = AsyncEngine(llm.engine, llm.prefill_worker).start()
+    sp = SamplingParams(temperature=0, max_tokens=EVAL_ARGS.max_tokens)
+    ids = [llm.tokenizer.encode(p.prompt()) for p in PROBLEMS]
+
+    async def run():
+        async def one(prompt):
+            tokens = []
+            async for delta in front.generate(prompt, sp):
+                tokens += delta.token_ids
+            return tokens
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in ids)), timeout=600)
+
+    try:
+        assert asyncio.run(run()) == baseline.token_ids
+        snap = drained(front)
+        assert snap["kv_pages_used"] == 0 and snap["slots_used"] == 0
+    finally:
+        front.shutdown()
+

@@ -114,8 +114,9 @@ def test_demo_runs_the_shipped_model_with_pd_and_mtp(capsys):
 def test_eval_slice_fixed_configs_identical_to_baseline(tmp_path, capsys):
     """The CI slice of the evaluation: every fixed serving configuration gives the baseline's tokens."""
     out = tmp_path / "eval.json"
-    rc = jeval.main(["--limit", "16", "--configs", "fixed", "--wide-concurrency", "16", "--quiet",
-                     "--dtype", "float32", "--out", str(out)])
+    rc = jeval.main(["--limit", "8", "--configs", "fixed", "--wide-concurrency", "16", "--quiet",
+                     "--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "256",
+                     "--out", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["config"]["name"] for r in rows][:1] == ["baseline"] and len(rows) == 6

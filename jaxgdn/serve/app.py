@@ -26,7 +26,7 @@ from ..engine.request import SamplingParams
 from ..model.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDead, EngineFull
 from .metrics import prometheus_text
-from .protocol import BadRequest, ChatRequest, CompletionRequest, _Sampling, error_body
+from .protocol import BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_body
 from .text import TextStream, render_chat
 
 logger = logging.getLogger("jaxgdn.serve")
@@ -110,14 +110,17 @@ def build_app(state: ServerState) -> FastAPI:
         @app.post("/v1/prefill")
         async def prefill(request: Request):
             """{"prompt_token_ids": [...], "sampling_params": {...}} -> the request's Handoff bytes."""
-            body = await request.json()
             try:
+                body = await request.json()
                 ids = [int(t) for t in body["prompt_token_ids"]]
-                sp = SamplingParams(**{**body.get("sampling_params", {}),
-                                       "stop_token_ids": tuple(body.get("sampling_params", {}).get("stop_token_ids", ()))})
-            except (KeyError, TypeError, ValueError) as e:
-                raise BadRequest(f"bad prefill request: {e}") from None
+                fields = dict(body.get("sampling_params", {}))
+                sp = SamplingParams(**{**fields, "stop_token_ids": tuple(fields.get("stop_token_ids", ()))})
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise BadRequest(f"bad prefill request: {e!r}") from None
             _check(state, ids, sp)
+            if len(ids) < 2:
+                raise BadRequest("nothing to prefill: a prompt of one token goes straight to the decode server",
+                                 "prompt_token_ids")
             async for delta in _generate(state, ids, sp):
                 if delta.handoff is not None:
                     return Response(delta.handoff.to_bytes(), media_type="application/octet-stream")
@@ -140,7 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise BadRequest(problem)
             decode = state.tokenizer.decode if state.tokenizer else None
             c = _Choice(0, list(h.prompt_token_ids), h.sampling_params, TextStream(decode), handoff=h)
-            return await _respond(state, _Sampling(), [c], chat=False)
+            return await _respond(state, SamplingFields(), [c], chat=False)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -191,7 +194,7 @@ def _check(state: ServerState, ids: list[int], sp: SamplingParams) -> None:
         raise BadRequest(problem, "prompt" if "prompt" in problem or "token" in problem else None)
 
 
-def _choices(state: ServerState, body: _Sampling, prompts: list[list[int]],
+def _choices(state: ServerState, body: SamplingFields, prompts: list[list[int]],
              default_max_tokens: int | None) -> list[_Choice]:
     if body.model is not None and body.model != state.model_name:
         raise BadRequest(f"model {body.model!r} is not served here; this server serves {state.model_name!r}",
@@ -265,7 +268,7 @@ def _usage(choices: list[_Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _respond(state: ServerState, body: _Sampling, choices: list[_Choice], chat: bool):
+async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choice], chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
     if not body.stream:
@@ -284,7 +287,11 @@ async def _respond(state: ServerState, body: _Sampling, choices: list[_Choice], 
         return {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": out,
                 "usage": _usage(choices)}
 
-    # validate up front (errors as JSON with a status), then stream
+    # a full or stopped engine answers with a status before the stream starts
+    if not state.front.alive:
+        raise BadRequest("the engine is not running", status=503, kind="server_error")
+    if state.front.full:
+        raise BadRequest("the server is full; try again later", status=429, kind="rate_limit_error")
     queue: asyncio.Queue = asyncio.Queue()
 
     async def on_text(c: _Choice, text: str, token_ids: list[int]):

@@ -108,12 +108,17 @@ class AsyncEngine:
         if not self.alive or self.closing:
             raise EngineDead(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
         with self._lock:
-            if self._pending >= self.max_waiting + self.validator.ecfg.max_num_seqs:
+            if self.full:
                 raise EngineFull(f"{self._pending} requests in the server; try again later")
             self._pending += 1
         handle = next(self._ids)
         self._inbox.put(("add", handle, _Stream(sink), prompt_token_ids, params, handoff))
         return handle
+
+    @property
+    def full(self) -> bool:
+        """max_waiting requests wait beyond a full running batch: submit refuses more."""
+        return self._pending >= self.max_waiting + self.validator.ecfg.max_num_seqs
 
     def abort(self, handle: int) -> None:
         """Finish the request now (finish_reason "abort"); its pages and slot are free on the next step."""
@@ -221,8 +226,9 @@ class AsyncEngine:
             s.engine, s.rid = self.prefill, self.prefill.submit(ids, params)
         elif self.engine is not None:  # also a 1-token or bad prompt under PD: nothing to prefill / fail there
             s.engine, s.rid = self.engine, self.engine.add_request(ids, params)
-        else:  # a prefill role: a bad request fails on the prefill worker
-            s.engine, s.rid = self.prefill, self.prefill.add_request(ids, params)
+        else:  # a prefill role takes prompts it can prefill only (its route checks); anything else fails here
+            error = self.prefill.validate(ids, params) or "nothing to prefill (a prompt of one token)"
+            s.engine, s.rid = self.prefill, self.prefill.add_request(ids, params, error=error)
         req = s.engine.requests[s.rid]
         if req.error is None:
             self.counters["prompt_tokens"] += len(req.prompt_token_ids)

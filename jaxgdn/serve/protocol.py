@@ -28,7 +28,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do; fields that
     would change the output but are not implemented are refused (see check_unsupported)."""
 
@@ -59,6 +59,9 @@ class _Sampling(BaseModel):
             raise BadRequest("logit_bias is not supported by jaxgdn", "logit_bias")
         if self.logprobs not in (None, False, 0):
             raise BadRequest("logprobs are not supported by jaxgdn", "logprobs")
+        for name in ("echo", "suffix"):
+            if getattr(self, name, None):
+                raise BadRequest(f"{name} is not supported by jaxgdn", name)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -83,7 +86,7 @@ class _Sampling(BaseModel):
         return sp
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """prompt: text, token ids, or a list of either (one choice group per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -107,6 +110,6 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
