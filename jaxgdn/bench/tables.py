@@ -108,8 +108,7 @@ def pd_table(d: dict) -> list[str]:
 
 def serve_table(d: dict) -> list[str]:
     c, e = d["cold_process"], d["engine"]
-    rate = "all at once" if not d["request_rate"] else f"{d['request_rate']} requests/s"
-    head = (f"{d['num_prompts']} `{d['dataset']}` requests ({rate}) on `{d['model']}`, max_num_seqs {e['max_num_seqs']}, "
+    head = (f"{d['num_prompts']} `{d['dataset']}` requests ({_arrivals(d)}) on `{d['model']}`, max_num_seqs {e['max_num_seqs']}, "
             f"max_num_batched_tokens {e['max_num_batched_tokens']}, {e['dtype']}, K = {e['num_speculative_tokens']}.")
     runs = [("cold (first run of a new process)", c["cold"]), ("warm", c["warm"])]
     lines = _table(["run", "wall s", "total tok/s", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
@@ -127,6 +126,24 @@ def serve_table(d: dict) -> list[str]:
                                      f"{c['bound']['total_s']:.2f} s ({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
 
 
+def _arrivals(d: dict) -> str:
+    rate = "all at once" if not d["request_rate"] else f"{d['request_rate']} requests/s"
+    return rate + (f", at most {d['max_concurrency']} in flight" if d.get("max_concurrency") else "")
+
+
+def serve_http_table(d: dict) -> list[str]:
+    """`bench serve --http`: the workload sent twice to a running server."""
+    head = f"{d['num_prompts']} `{d['dataset']}` requests ({_arrivals(d)}) over HTTP to {d['url']} (`{d['model']}`)."
+    runs = [(name, d[name]) for name in ("first", "second") if name in d]
+    return [head, ""] + _table(["run", "wall s", "total tok/s", "output tok/s", "TTFT p50 / p99 ms",
+                                "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "errors", "compiles after start-up"], runs,
+                               lambda r: [r[0], f"{r[1]['wall_s']:.2f}", f"{r[1]['total_tokens_per_s']:.0f}",
+                                          f"{r[1]['output_tokens_per_s']:.0f}",
+                                          *(f"{r[1][k]['p50']:.1f} / {r[1][k]['p99']:.1f}"
+                                            for k in ("ttft_ms", "tpot_ms", "itl_ms")),
+                                          str(r[1]["errors"]), _fmt(r[1]["compiles_after_startup"], ".0f")])
+
+
 def eval_table(d: dict) -> list[str]:
     """`python -m jaxgdn.eval --configs ...`: accuracy per serving configuration, with and without the bug."""
     return _table(["configuration", "concurrency", "#47466", "accuracy", "identical to baseline",
@@ -137,7 +154,7 @@ def eval_table(d: dict) -> list[str]:
                              _fmt(r["acceptance_rate"]), f"{r['tokens_per_s']:.0f}"])
 
 
-TABLES = {"serve": serve_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
+TABLES = {"serve": serve_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
           "kernels": kernels_table, "pd": pd_table, "eval": eval_table}
 
 
@@ -147,8 +164,9 @@ def benchmark_of(d: dict, path: Path) -> str:
 
 def result_files(directory: Path = RESULTS_DIR) -> list[Path]:
     """Every result file with a table, grouped by benchmark in TABLES' order."""
-    paths = [p for p in sorted(directory.glob("*.json")) if p.name.split("_")[0].split("-")[0] in TABLES]
-    return sorted(paths, key=lambda p: list(TABLES).index(p.name.split("_")[0].split("-")[0]))
+    kind = lambda p: benchmark_of(json.loads(p.read_text()), p)  # noqa: E731
+    paths = [p for p in sorted(directory.glob("*.json")) if kind(p) in TABLES]
+    return sorted(paths, key=lambda p: list(TABLES).index(kind(p)))
 
 
 def print_tables(files, notes: bool = False) -> int:

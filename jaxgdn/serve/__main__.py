@@ -72,7 +72,7 @@ def build_state(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("jaxgdn").setLevel(args.log_level.upper())  # its handler is jaxgdn's own; uvicorn logs apart
     if args.prefill_url and args.role != "decode":
         print("jaxgdn.serve: --prefill-url needs --role decode", file=sys.stderr)
         return 2
