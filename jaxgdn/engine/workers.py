@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from .llm_engine import LLMEngine
@@ -10,7 +11,7 @@ from .request import Request, SamplingParams
 
 
 class _Worker(LLMEngine):
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """What the other side of a handoff must match (config_fingerprint)."""
         return config_fingerprint(self.cfg, self.ecfg.dtype, self.ecfg.kv_page_size)

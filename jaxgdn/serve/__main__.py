@@ -20,9 +20,6 @@ from pathlib import Path
 
 from ..engine_args import add_engine_args, engine_config
 
-ROLES = ("both", "prefill", "decode")
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxgdn.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +28,7 @@ def parse_args(argv=None):
     ap.add_argument("--served-model-name", help="the model name clients send (default: the directory's or preset's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--role", choices=ROLES, default="both",
+    ap.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                     help="both (default): one server does everything (with --pd: two workers in this process); "
                          "prefill: serve /v1/prefill (prompt in, PD handoff bytes out) for a decode server; "
                          "decode: serve the OpenAI endpoints, prefilling on --prefill-url")
