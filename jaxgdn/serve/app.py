@@ -272,7 +272,12 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
     if not body.stream:
-        await asyncio.gather(*(_run_choice(state, c) for c in choices))
+        tasks = [asyncio.create_task(_run_choice(state, c)) for c in choices]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one choice refused (429, 502) or the handler cancelled: the others stop too
+            for t in tasks:
+                t.cancel()
         failed = [c for c in choices if c.finish_reason == "error"]
         if failed:
             raise BadRequest(failed[0].error or "request failed", status=500, kind="server_error")
