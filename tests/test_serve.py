@@ -81,6 +81,12 @@ def test_openai_client_completions_chat_streaming_equal_generate(server, referen
     assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # seeded: reproducible
     assert sampled[0].choices[0].text != sampled[0].choices[1].text  # choice i samples with seed + i
 
+    before = drained(state.front).get("finished_abort", 0)
+    with pytest.raises(httpx.TimeoutException):  # a client that hangs up on a long non-streaming request
+        httpx.post(url + "/v1/completions", timeout=1.0, json={
+            "model": MODEL, "prompt": probs[0].prompt(), "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+    assert drained(state.front)["finished_abort"] == before + 1  # aborted, its pages and slot freed
+
     assert client.models.list().data[0].id == MODEL
     assert httpx.get(url + "/health").json()["status"] == "ok"
     metrics = httpx.get(url + "/metrics").text

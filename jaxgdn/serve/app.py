@@ -146,13 +146,13 @@ def build_app(state: ServerState) -> FastAPI:
             return await _respond(state, SamplingFields(), [c], chat=False)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompts = _prompts(state, body.prompt)
         choices = _choices(state, body, prompts, 16)
-        return await _respond(state, body, choices, chat=False)
+        return await _respond(state, body, choices, chat=False, http_request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         tok = state.tokenizer
         if tok is None or not tok.chat_template:
             raise BadRequest(f"model {state.model_name} has no chat template (chat_template.jinja); use /v1/completions")
@@ -166,7 +166,7 @@ def build_app(state: ServerState) -> FastAPI:
             body.max_tokens = body.max_completion_tokens
         ids = list(tok.encode(text))
         choices = _choices(state, body, [ids], None)
-        return await _respond(state, body, choices, chat=True)
+        return await _respond(state, body, choices, chat=True, http_request=request)
 
     return app
 
@@ -268,14 +268,20 @@ def _usage(choices: list[_Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choice], chat: bool):
+async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choice], chat: bool,
+                   http_request: Request | None = None):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
     if not body.stream:
         tasks = [asyncio.create_task(_run_choice(state, c)) for c in choices]
+        everything = asyncio.gather(*tasks)
         try:
-            await asyncio.gather(*tasks)
-        finally:  # one choice refused (429, 502) or the handler cancelled: the others stop too
+            while not everything.done():
+                await asyncio.wait([everything], timeout=0.25)
+                if not everything.done() and http_request is not None and await http_request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it; every choice is aborted below
+            everything.result()  # a refused choice (429, 502) raises its BadRequest here
+        finally:  # the client gone, a choice refused or the handler cancelled: every choice stops
             for t in tasks:
                 t.cancel()
         failed = [c for c in choices if c.finish_reason == "error"]
