@@ -69,7 +69,7 @@ class AsyncEngine:
             raise ValueError("PD in one process needs a DecodeWorker beside the PrefillWorker")
         self.engine, self.prefill, self.max_waiting = engine, prefill, max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[int, _Stream] = {}  # by (engine id, rid): the live requests
+        self._streams: dict[int, _Stream] = {}  # the live requests, by handle
         self._ids = itertools.count()
         self._pending = 0  # submitted, not yet finished (read from other threads for admission)
         self._lock = threading.Lock()
