@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,7 @@ def write_results(args, model: str, num_problems: int, results: list[ConfigResul
 
     payload = {
         "benchmark": "eval",
-        "env": environment(),
+        "env": environment(os.environ.get("XLA_FLAGS", "")),
         "model": model,
         "data": args.data or f"task:{args.split}",
         "num_problems": num_problems,

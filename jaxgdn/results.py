@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-def environment() -> dict:
-    """Device, versions and date for every result file."""
+def environment(xla_flags: str = "") -> dict:
+    """Device, versions and date for every result file; xla_flags: the run's $XLA_FLAGS (its CLI reads it)."""
     import jax
     import jaxlib
 
@@ -25,7 +24,7 @@ def environment() -> dict:
         "jaxlib": jaxlib.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # e.g. command-buffer (CUDA graph) settings
+        "xla_flags": xla_flags,  # e.g. command-buffer (CUDA graph) settings
     }
     for name in ("torch", "transformers", "triton", "fla", "jax_triton"):
         try:

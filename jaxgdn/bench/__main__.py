@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
 from ..results import environment, write_result
+from .common import DEFAULT_TRITON_CACHE_DIR
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "checkpoints" / "qwen35-tiny-arith"
 
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")
     sv.add_argument("--child", choices=["workload", "startup"], default=None, help=argparse.SUPPRESS)
+    sv.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)  # a child's compilation cache
     t = sub.add_parser("table", help="markdown tables from result JSON files")
     t.add_argument("files", nargs="*", help="result files (default: every file in bench/results with a table)")
     t.add_argument("--notes", action="store_true", help="also print each file's note")
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
     # JAX takes 75% of GPU memory up front by default; torch peers (transformers, fla) run in the same
     # process and need room. Set before JAX initialises its backend; an explicit setting wins.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    os.environ.setdefault("TRITON_CACHE_DIR", DEFAULT_TRITON_CACHE_DIR)  # fla's autotuner needs one
     if args.command == "engine":
         from .engine import bench_engine as run
     elif args.command == "kernels":
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
         from .serve_http import bench_serve_http as run
     elif args.command == "serve":
         from .serve import bench_serve as run
-    env = environment()
+    env = environment(os.environ.get("XLA_FLAGS", ""))
     out = Path(args.out) if args.out else None
     name = "serve-http" if getattr(args, "http", None) else args.command
 

@@ -197,12 +197,14 @@ def gdn_probe_shapes() -> tuple[bool, tuple[tuple[int, int], ...], int, int]:
     return (gpu, ((1, 8192), (8, 1024)), 16, 128) if gpu else (gpu, ((1, 128),), 2, 32)
 
 
-def ensure_triton_cache_dir() -> None:
+# where the bench CLI points $TRITON_CACHE_DIR when it is unset
+DEFAULT_TRITON_CACHE_DIR = os.path.join(tempfile.gettempdir(), "triton")
+
+
+def ensure_triton_cache_dir(directory: str = DEFAULT_TRITON_CACHE_DIR) -> None:
     """fla's autotuner needs Triton's cache dir; on the H200 it came up empty inside the benchmark processes
     (bench prefill/decode's peers, bench kernels) although TRITON_CACHE_DIR was exported (cause not
     found). Point the knob at a real directory."""
-    directory = os.environ.get("TRITON_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "triton")
-    os.environ["TRITON_CACHE_DIR"] = directory
     try:
         from triton import knobs
 

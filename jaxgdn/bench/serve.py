@@ -146,9 +146,11 @@ def child_run(args) -> dict:
     import jax
 
     t_start = time.perf_counter()
+    from ..engine.runner import enable_compilation_cache
     from ..llm import LLM
     from .common import measured_bandwidth_gbs, measured_matmul_tflops
 
+    enable_compilation_cache(args.cache_dir)  # before any engine: its own call then keeps this directory
     llm = LLM(args.model, engine_config(args))
     startup = time.perf_counter() - t_start
     out = {"startup_s": startup, "programs": sum(e.runner.num_programs for e in llm.engines),
@@ -172,10 +174,9 @@ def child_run(args) -> dict:
 
 def _child(args, which: str, cache_dir: str) -> dict:
     """Run `bench serve --child which` in a fresh process on the compilation cache cache_dir."""
-    cmd = [sys.executable, "-m", "jaxgdn.bench", "serve", *_forwarded(args), "--child", which]
-    env = {**os.environ, "JAXGDN_CACHE_DIR": cache_dir}
+    cmd = [sys.executable, "-m", "jaxgdn.bench", "serve", *_forwarded(args), "--child", which, "--cache-dir", cache_dir]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if run.returncode:
         raise SystemExit(f"bench serve: the {which} process failed:\n{run.stderr[-4000:]}")
     result = json.loads(run.stdout.strip().splitlines()[-1])

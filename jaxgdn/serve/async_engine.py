@@ -241,8 +241,9 @@ class AsyncEngine:
     def _step(self) -> None:
         if self.prefill is not None and self.prefill.has_unfinished:
             self.prefill.step()
-            by_rid = {s.rid: (h, s) for h, s in self._streams.items() if s.engine is self.prefill}
-            for handoff in self.prefill.pop_handoffs():
+            handoffs = self.prefill.pop_handoffs()
+            by_rid = {s.rid: (h, s) for h, s in self._streams.items() if s.engine is self.prefill} if handoffs else {}
+            for handoff in handoffs:
                 handle, s = by_rid[handoff.request_id]
                 self.prefill.forget(s.rid)
                 if self.engine is not None:  # PD in one process: the decode worker takes it on
