@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from pallas_kernels.input_assembly import combine_sampled_and_draft_tokens
 
 from ..model.config import ModelConfig
-from ..model.forward import logits_from_hidden
+from ..model.parallel import head_argmax, head_logits
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
 from .ragged_forward import StepMeta, forward_ragged, mtp_ragged
@@ -148,13 +148,18 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     n_draft = jnp.maximum(n_logits - 1, 0)
     rows = jnp.clip(cu[:-1, None] + jnp.arange(W)[None, :], 0, num_logits - 1)
     tok_at = logits_indices[rows]  # [R, W] flat token index of each logits row
-    logits = logits_from_hidden(params, hidden[tok_at]).astype(jnp.float32)  # [R, W, V]
+    # Greedy programs need only the argmax, which tensor parallelism forms without gathering the logits.
+    rows_hidden = hidden[tok_at]
+    if stochastic:
+        logits, greedy = head_logits(params, rows_hidden, cfg.vocab_size, policy).astype(jnp.float32), None  # [R, W, V]
+    else:
+        logits, greedy = None, head_argmax(params, rows_hidden, cfg.vocab_size, policy)  # [R, W]
     T = ids.shape[0]
     drafts = ids[jnp.clip(tok_at[:, 1:], 0, T - 1)]  # [R, K]
     keys = position_keys(jnp.repeat(a.seeds, W), jnp.repeat(a.request_ids, W),
                          (a.positions[tok_at] + 1).reshape(-1)).reshape(R, W)
     tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a.temperature, a.top_k, a.top_p, keys,
-                                         stochastic)
+                                         stochastic, argmax=greedy, vocab_size=cfg.vocab_size)
     samples = a.samples & real
     num_sampled = jnp.where(samples, num_sampled, 0)
     last_token = jnp.take_along_axis(tokens, jnp.maximum(num_sampled - 1, 0)[:, None], 1)[:, 0]
@@ -205,7 +210,7 @@ def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sam
     last = jnp.clip(qsl[:-1] + keep - 1, 0, T - 1)  # [R] each row's last kept token
     h = m[last]  # [R, H]
     pos = meta.positions[last]  # [R]
-    draft = jnp.argmax(logits_from_hidden(params, h), axis=-1).astype(jnp.int32)
+    draft = head_argmax(params, h, cfg.vocab_size, policy)
     drafts = [draft]
     ps = mtp_layers[0].k.shape[1]
     MP = meta.block_tables.shape[1]
@@ -221,6 +226,6 @@ def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sam
                          idx_mapping=meta.idx_mapping, block_tables=meta.block_tables, fresh=meta.fresh,
                          verify_path=meta.verify_path, block_row=jnp.where(in_range, rows, -1), block_start=rows)
         h, mtp_layers = mtp_ragged(params, cfg, h, draft, chain, mtp_layers, policy)
-        draft = jnp.argmax(logits_from_hidden(params, h), axis=-1).astype(jnp.int32)
+        draft = head_argmax(params, h, cfg.vocab_size, policy)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), mtp_layers

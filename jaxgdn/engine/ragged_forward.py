@@ -34,6 +34,7 @@ from ..model.gdn import gdn_output, gdn_projections, split_qkv
 from ..model.mlp import linear
 from ..model.mtp import mtp_fc_input
 from ..model.norms import rms_norm_1p
+from ..model.parallel import embed
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
 from ..model.rope import rope_cos_sin
@@ -156,7 +157,7 @@ def _ragged_layer(p, x, layer_state, meta: StepMeta, num_accepted, *, cfg: Model
 def forward_ragged(params: ModelParams, cfg: ModelConfig, input_ids, meta: StepMeta, state: EngineState,
                    policy: KernelPolicy):
     """input_ids [T] -> (hidden [T, H] after the final norm, new EngineState)."""
-    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
+    x = embed(params, input_ids, cfg.vocab_size, policy)
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         x, new_state = _ragged_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,
@@ -171,7 +172,7 @@ def mtp_ragged(params: ModelParams, cfg: ModelConfig, hidden, next_ids, meta: St
     """The MTP head over the flat stream: token t gets the trunk hidden at its position and the token after
     it (next_ids [T]). Writes the MTP layer's own paged KV. Returns (mtp hidden [T, H] after mtp.norm, layers)."""
     mtp = params.mtp
-    x = mtp_fc_input(params, cfg, hidden, next_ids)
+    x = mtp_fc_input(params, cfg, hidden, next_ids, policy)
     new_layers = []
     for layer, kv in zip(mtp.layers, mtp_layers):
         x, kv = residual_block(layer, cfg, x, lambda h, layer=layer, kv=kv: attention_ragged(

@@ -18,24 +18,31 @@ from .sampling import filtered_log_probs
 ACCEPT_SALT = 1  # folded into the position key for the accept test, so it is independent of the token draw
 
 
-def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool = True):
+def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool = True, *,
+                  argmax=None, vocab_size: int | None = None):
     """logits [R, 1+K, V] (rows beyond 1+n_draft unused); drafts [R, K]; n_draft [R];
     temperature/top_k/top_p [R]; keys [R, 1+K] position keys of the tokens being sampled.
     stochastic (static): False when the caller knows every row is greedy; that program skips the sort,
     softmax and noise over the vocabulary. The general program gives greedy rows the same argmax.
+    argmax [R, 1+K]: the logits' argmax when the caller has it (a sharded vocabulary); a greedy program then
+    needs no logits (None) but the vocab_size.
 
     Returns (tokens [R, 1+K] (entries past num_sampled are -1), num_sampled [R] in [1, 1+n_draft]).
     The choice is static rather than a device-side lax.cond: XLA's GPU conditional copies its predicate
     to the host and waits for it, which serialised every step with the host.
     """
-    return _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic=stochastic)
+    return _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic=stochastic, argmax=argmax,
+                   vocab_size=vocab_size)
 
 
-def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool):
-    R, W, V = logits.shape
+def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool, argmax=None,
+            vocab_size: int | None = None):
+    if argmax is None:
+        argmax = jnp.argmax(logits, axis=-1)  # [R, W]
+    R, W = argmax.shape
+    V = logits.shape[-1] if logits is not None else vocab_size
     K = W - 1
     greedy = (temperature == 0)[:, None]
-    argmax = jnp.argmax(logits, axis=-1)  # [R, W]
     if stochastic:
         t_rows = jnp.repeat(temperature, W)
         logp = filtered_log_probs(logits.reshape(R * W, V), t_rows, jnp.repeat(top_k, W), jnp.repeat(top_p, W))

@@ -29,6 +29,7 @@ from ..model.forward import residual_block
 from ..model.gdn import gdn_output, gdn_projections
 from ..model.mlp import linear, linear_parts
 from ..model.norms import rms_norm_1p
+from ..model.parallel import embed
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
 from ..model.rope import rope_cos_sin
@@ -161,7 +162,7 @@ def forward_uniform(params: ModelParams, cfg: ModelConfig, input_ids, meta: Step
                     policy: KernelPolicy):
     """input_ids [T] of R rows of `width` tokens (T = R * width) -> (hidden [T, H] after the final norm, new
     EngineState)."""
-    x = params.embed_tokens[jnp.clip(input_ids, 0, cfg.vocab_size - 1)]
+    x = embed(params, input_ids, cfg.vocab_size, policy)
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         x, new_state = _uniform_layer(params.layers[i], x, state.layers[i], meta, state.num_accepted, cfg=cfg,

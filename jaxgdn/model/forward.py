@@ -17,6 +17,7 @@ from .config import FULL_ATTENTION, ModelConfig
 from .gdn import gdn_layer
 from .mlp import linear, mlp
 from .norms import pre_norm, rms_norm_1p
+from .parallel import all_reduce
 from .params import DecoderLayerParams, ModelParams
 from .policy import DEFAULT_POLICY, KernelPolicy
 
@@ -26,12 +27,13 @@ def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable, 
 
     mixer(h) -> (out, new_state) is the token mixer bound to its state (dense cache or paged pools); h is
     the normed x, a DeferredNorm where the norm's weight is folded into the projections (`pre_norm`).
+    Under tensor parallelism the mixer's and the MLP's outputs are partial sums, completed here.
     Returns (x, new_state).
     """
     eps, post = cfg.rms_norm_eps, policy.post_scale_max_tokens
     h, new_state = mixer(pre_norm(x, p.input_layernorm, eps, post))
-    x = x + h
-    x = x + mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, eps, post), policy)
+    x = x + all_reduce(h, policy)
+    x = x + all_reduce(mlp(p.mlp, pre_norm(x, p.post_attention_layernorm, eps, post), policy), policy)
     return x, new_state
 
 

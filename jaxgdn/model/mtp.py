@@ -13,15 +13,17 @@ from .config import FULL_ATTENTION, ModelConfig
 from .forward import decoder_layer, logits_from_hidden, step_positions
 from .mlp import linear
 from .norms import rms_norm_1p
+from .parallel import embed
 from .params import ModelParams
+from .policy import DEFAULT_POLICY, KernelPolicy
 
 
-def mtp_fc_input(params: ModelParams, cfg: ModelConfig, hidden, next_ids):
+def mtp_fc_input(params: ModelParams, cfg: ModelConfig, hidden, next_ids, policy: KernelPolicy = DEFAULT_POLICY):
     """fc([RMS1p(E[next_ids]) ‖ RMS1p(hidden)]): hidden [..., H], next_ids [...] -> [..., H]."""
     mtp = params.mtp
     if mtp is None:
         raise ValueError("this checkpoint has no MTP head (no mtp.* tensors / mtp_num_hidden_layers = 0)")
-    emb = params.embed_tokens[jnp.clip(next_ids, 0, cfg.vocab_size - 1)]
+    emb = embed(params, next_ids, cfg.vocab_size, policy)
     x = jnp.concatenate(
         [
             rms_norm_1p(emb, mtp.pre_fc_norm_embedding, cfg.rms_norm_eps),

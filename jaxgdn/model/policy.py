@@ -31,6 +31,8 @@ class KernelPolicy:
     library_gemms_min_tokens: step programs of at least this many tokens compile their matrix products for
       cuBLAS(Lt) instead of XLA's Triton GEMMs (None: never); no effect off the GPU.
     input_impl: the input-assembly kernel: "xla", "pallas" or "triton".
+    tp_axis: the mesh axis a step's heads, MLP columns and vocabulary are split over when it runs per shard
+      under shard_map (`model/parallel.py`); None on one device.
     """
 
     attention_kernels: bool = False
@@ -45,6 +47,7 @@ class KernelPolicy:
     post_scale_max_tokens: int = 1
     library_gemms_min_tokens: int | None = 1024
     input_impl: str = "xla"
+    tp_axis: str | None = None
 
     def replace(self, **changes) -> "KernelPolicy":
         return dataclasses.replace(self, **changes)
