@@ -14,6 +14,7 @@ from tqdm import tqdm
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
+from .engine.tensor_parallel import make_mesh
 from .engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 from .model.checkpoint import load_checkpoint
 from .model.config import PRESETS, ModelConfig
@@ -54,21 +55,28 @@ class LLM:
             self.config = self.config.replace(pd=True)  # one side of a PD pair: no async scheduling
         self.role = role
         self.model_config, params, self.tokenizer = load_model(model, self.config)
+        if self.config.tensor_parallel_size > 1:  # each worker places its shards; no whole copy stays on a device
+            params = jax.device_get(params)
         decode = self.tokenizer.decode if self.tokenizer else None
         self.handoff_transport = handoff_transport
         devices = jax.devices()
+        tp = self.config.tensor_parallel_size
         pick = lambda i: devices[i % len(devices)] if i is not None else None  # noqa: E731
+        # with tensor parallelism a worker's mesh is tp consecutive devices from its index
+        place = lambda i: ({"mesh": make_mesh(devices[i or 0:], tp)} if tp > 1 else {"device": pick(i)})  # noqa: E731
         self.prefill_worker = self.engine = None
         if self.config.pd and role != "decode":
-            # on one device beside its decode worker the prefill worker plans half of the memory left
-            share = 0.5 if role == "both" and pick(self.config.prefill_device) == pick(self.config.decode_device) else 1.0
+            # on the devices of its decode worker the prefill worker plans half of the memory left
+            same = (self.config.prefill_device or 0) == (self.config.decode_device or 0) if tp > 1 else (
+                pick(self.config.prefill_device) == pick(self.config.decode_device))
+            share = 0.5 if role == "both" and same else 1.0
             self.prefill_worker = PrefillWorker(params, self.model_config, self.config, input_impl=input_impl,
-                                                garbage_seed=garbage_seed, device=pick(self.config.prefill_device),
-                                                memory_share=share)
+                                                garbage_seed=garbage_seed, memory_share=share,
+                                                **place(self.config.prefill_device))
         if self.config.pd and role != "prefill":
             self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
-                                       decode=decode, device=pick(self.config.decode_device))
+                                       decode=decode, **place(self.config.decode_device))
         elif not self.config.pd:
             self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
                                     garbage_seed=garbage_seed, decode=decode)

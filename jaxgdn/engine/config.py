@@ -73,6 +73,9 @@ class EngineConfig:
     library_gemms_min_tokens: step programs of at least this many tokens compile their matrix products for
       cuBLAS(Lt) instead of XLA's Triton GEMMs, so XLA folds the residual adds into the products' epilogues;
       None turns it off. No effect off the GPU.
+    tensor_parallel_size: devices each engine (each PD worker) splits the model's heads, MLP and vocabulary
+      over (`tensor_parallel.py`); they must divide the model's head counts. A PD worker's devices are the
+      tensor_parallel_size consecutive ones from prefill_device / decode_device (default 0).
     """
 
     max_num_seqs: int = 256
@@ -98,6 +101,7 @@ class EngineConfig:
     fold_norms: bool = True
     fused_decode_kernels: bool = True
     library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         checks = [
@@ -115,6 +119,7 @@ class EngineConfig:
              "async_scheduling needs pd=False (a PD handoff is only known once its step's results are back)"),
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
              "decode_steps_per_launch must be >= 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.library_gemms_min_tokens is None or self.library_gemms_min_tokens >= 0,
              "library_gemms_min_tokens must be >= 0 or None"),
             (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling

@@ -128,8 +128,10 @@ def handoff_problem(h: Handoff, cfg: ModelConfig, fingerprint: str, page_size: i
 
 
 def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prompt: list[int],
-                   fingerprint: str = "") -> Handoff:
-    """Gather a finished prefill request's state from the prefill worker's pools."""
+                   fingerprint: str = "", conv_order: np.ndarray | None = None) -> Handoff:
+    """Gather a finished prefill request's state from the prefill worker's pools. conv_order: the pools' conv
+    channel order under tensor parallelism (`tensor_parallel.conv_channel_order`); the handoff carries the
+    single-device order."""
     n_pages = -(-req.num_computed // state.layers[cfg.attention_layer_ids[0]].k.shape[1]) if req.num_computed else 0
     pages = jnp.asarray(req.pages[:n_pages], jnp.int32)
     attn = [state.layers[i] for i in cfg.attention_layer_ids]
@@ -146,7 +148,8 @@ def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prom
         kv_v=stack([kv.v[pages] for kv in attn]),
         mtp_k=stack([kv.k[pages] for kv in state.mtp_layers]),
         mtp_v=stack([kv.v[pages] for kv in state.mtp_layers]),
-        conv=stack([g.conv[slot, :kc1] for g in gdn]),
+        conv=stack([g.conv[slot, :kc1] if conv_order is None else g.conv[slot, :kc1][:, np.argsort(conv_order)]
+                    for g in gdn]),
         ssm=stack([g.ssm[slot, 0] for g in gdn]),
         request_id=req.request_id,
         fingerprint=fingerprint,
@@ -154,10 +157,11 @@ def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prom
 
 
 def import_handoff(cfg: ModelConfig, state: EngineState, h: Handoff, slot: int, pages: list[int],
-                   device=None) -> EngineState:
+                   device=None, conv_order: np.ndarray | None = None) -> EngineState:
     """Write a handoff into the decode worker's pools at a fresh slot and pages. Resets the slot's
     num_accepted to 1 and its drafts to -1; last_sampled is left as the slot's previous occupant had it
-    (the fixed input kernel never reads it for the prompt tail; the buggy one does)."""
+    (the fixed input kernel never reads it for the prompt tail; the buggy one does). device: the pools' device
+    or (tensor parallelism) a replicated sharding on their mesh; conv_order as in export_handoff."""
     put = (lambda x: jax.device_put(jnp.asarray(x), device)) if device is not None else jnp.asarray
     n_pages = h.kv_k.shape[1] if h.kv_k.ndim > 1 else 0
     dst = jnp.asarray(pages[:n_pages], jnp.int32)
@@ -174,7 +178,8 @@ def import_handoff(cfg: ModelConfig, state: EngineState, h: Handoff, slot: int, 
         else:
             s = layers[i]
             kc1 = h.conv.shape[1]
-            conv = s.conv.at[slot].set(0).at[slot, :kc1].set(put(h.conv[g]).astype(s.conv.dtype))
+            window = h.conv[g] if conv_order is None else np.asarray(h.conv[g])[:, conv_order]
+            conv = s.conv.at[slot].set(0).at[slot, :kc1].set(put(window).astype(s.conv.dtype))
             ssm = s.ssm.at[slot].set(0).at[slot, 0].set(put(h.ssm[g]).astype(jnp.float32))
             layers[i] = GDNSlots(conv=conv, ssm=ssm)
             g += 1

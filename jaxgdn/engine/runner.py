@@ -22,6 +22,7 @@ from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .device_step import packed_step
 from .state import EngineState
 from .step_layout import StepArrays, pack_step_arrays
+from .tensor_parallel import TP, local_config, mesh_size, sharded_step
 
 
 def enable_compilation_cache(directory: str | None = None) -> str | None:
@@ -82,10 +83,15 @@ def clear_compiled_programs() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _jitted_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
-                 library_gemms: bool = False):
+                 library_gemms: bool = False, mesh=None):
     """One jitted step function per static setting, shared by every runner in the process. library_gemms:
-    compile with LIBRARY_GEMM_OPTIONS (no effect off the GPU)."""
-    return jax.jit(functools.partial(packed_step, cfg=cfg, policy=policy, unguarded=unguarded, rebases=rebases),
+    compile with LIBRARY_GEMM_OPTIONS (no effect off the GPU). mesh: a tensor-parallel mesh of more than one
+    device runs the step per shard (`tensor_parallel.sharded_step`); None or one device, the plain step."""
+    tp = mesh_size(mesh)
+    if tp > 1:
+        cfg, policy = local_config(cfg, tp), policy.replace(tp_axis=TP)
+    step = functools.partial(packed_step, cfg=cfg, policy=policy, unguarded=unguarded, rebases=rebases)
+    return jax.jit(sharded_step(step, mesh) if tp > 1 else step,
                    donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7),
                    compiler_options=LIBRARY_GEMM_OPTIONS if library_gemms else None)
 
@@ -98,8 +104,16 @@ class ModelRunner:
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, state: EngineState | None, *,
                  policy: KernelPolicy = DEFAULT_POLICY, reproduce_pd_mtp_bug: bool = False, device=None,
-                 rebases: bool = False):
+                 rebases: bool = False, mesh=None):
         self.device = device  # None: JAX's default device
+        self.mesh = mesh if mesh_size(mesh) > 1 else None  # tensor parallelism: params and state on it
+        # where the step's int32 input and result buffers live (replicated over a mesh)
+        if self.mesh is not None:
+            self.buffer_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        elif device is not None:
+            self.buffer_sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            self.buffer_sharding = None
         self.params = params
         self.cfg = cfg
         self.state = state
@@ -112,8 +126,8 @@ class ModelRunner:
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
         self._static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
         self.policy = policy
-        self._step = _jitted_step(*self._static)
-        self._library_step = _jitted_step(*self._static, library_gemms=True)
+        self._step = _jitted_step(*self._static, mesh=self.mesh)
+        self._library_step = _jitted_step(*self._static, library_gemms=True, mesh=self.mesh)
         self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
         self._signature = None  # the weights' and state's shapes and device (set at the first compile)
         self.num_compiles = 0
@@ -139,8 +153,7 @@ class ModelRunner:
         """The lowered step program of a packed layout and static setting (on `state`, default the runner's;
         shapes are all that matter)."""
         size = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout)
-        sharding = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None
-        buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)  # noqa: E731
+        buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.buffer_sharding)  # noqa: E731
         state = self.state if state is None else state
         return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, stochastic, num_steps,
                                           width)
@@ -149,7 +162,7 @@ class ModelRunner:
         """A launch key in the process-wide cache: with the static settings and the arguments' shapes."""
         if self._signature is None:
             leaves, tree = jax.tree_util.tree_flatten((self.params, self.state))
-            self._signature = (tree, tuple((x.shape, str(x.dtype)) for x in leaves), str(self.device))
+            self._signature = (tree, tuple((x.shape, str(x.dtype)) for x in leaves), str(self.device), self.mesh)
         return (self._static, *key, self._signature)
 
     def _cached(self, key: tuple):
@@ -207,11 +220,11 @@ class ModelRunner:
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
         host_buf, layout, stochastic, num_steps, width = self.last_device_args
-        fixed = None if fresh_input else jax.device_put(host_buf, self.device)
+        fixed = None if fresh_input else self.put(host_buf)
 
         def run(n):
             for _ in range(n):
-                step_input = jax.device_put(host_buf, self.device) if fresh_input else fixed
+                step_input = self.put(host_buf) if fresh_input else fixed
                 flat = self._launch(step_input, layout, stochastic, num_steps, width)
             jax.block_until_ready(flat)
 
@@ -229,9 +242,16 @@ class ModelRunner:
         while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
         if resident is None:
-            resident = jax.device_put(np.zeros(size + 1, np.int32), self.device)
+            resident = self.put(np.zeros(size + 1, np.int32))
         self.state, flat, self._resident_inputs[size] = program(self.params, self.state, resident, step_input)
         return flat
+
+    def put(self, host_buf: np.ndarray):
+        """A host int32 buffer on the step's device(s): the same on every device of a mesh, which may span
+        processes (each process passes the same buffer)."""
+        if self.mesh is None:
+            return jax.device_put(host_buf, self.buffer_sharding)
+        return jax.make_array_from_callback(host_buf.shape, self.buffer_sharding, lambda index: host_buf[index])
 
     def dispatch(self, arrays: StepArrays, num_steps: int = 1, width: int = 0) -> "PendingStep":
         """Copy the step's arrays to the device and launch its program without waiting for it.
@@ -239,7 +259,7 @@ class ModelRunner:
         stochastic = bool(np.any((arrays.temperature > 0) & arrays.samples))
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
-        step_input = jax.device_put(host_buf, self.device)
+        step_input = self.put(host_buf)
         self.last_device_args = LaunchArgs(host_buf, layout, stochastic, num_steps, width)
         t1 = time.perf_counter()
         flat = self._launch(step_input, layout, stochastic, num_steps, width)
@@ -254,7 +274,7 @@ class ModelRunner:
         """Wait for a dispatched launch and copy its results to the host (one transfer): one StepResult
         per model step of the launch."""
         t0 = time.perf_counter()
-        flat = np.asarray(pending.flat)
+        flat = to_host(pending.flat)
         self.timings["wait"] += time.perf_counter() - t0
         R, K = pending.num_rows, pending.num_drafts
         results = []
@@ -267,6 +287,11 @@ class ModelRunner:
         """Run one step and bring its results back. self.timings sums the seconds of each phase: transfer
         (host-to-device copy), dispatch (launch of the step program), wait (for its results)."""
         return self.fetch(self.dispatch(arrays, 1, width))[0]
+
+
+def to_host(x) -> np.ndarray:
+    """A replicated device array on the host, from this process's first copy where the array spans processes."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 @dataclasses.dataclass

@@ -5,12 +5,21 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from .llm_engine import LLMEngine
 from .pd import Handoff, config_fingerprint, export_handoff, handoff_problem, import_handoff
 from .request import Request, SamplingParams
+from .tensor_parallel import conv_channel_order
 
 
 class _Worker(LLMEngine):
+    @functools.cached_property
+    def conv_order(self):
+        """The conv channel order of this worker's pools (None on one device; see tensor_parallel)."""
+        tp = self.ecfg.tensor_parallel_size
+        return conv_channel_order(self.cfg, tp) if tp > 1 else None
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """What the other side of a handoff must match (config_fingerprint)."""
@@ -34,7 +43,8 @@ class PrefillWorker(_Worker):
     def _applied(self, req: Request) -> None:
         if req.prefill_only and req.num_computed == req.prefill_len:
             self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
-                                                    req.prompt_token_ids + [req.next_prompt_token], self.fingerprint))
+                                                    req.prompt_token_ids + [req.next_prompt_token], self.fingerprint,
+                                                    self.conv_order))
             self.scheduler.finish(req, "handoff")
 
     def pop_handoffs(self) -> list[Handoff]:
@@ -67,8 +77,9 @@ class DecodeWorker(_Worker):
 
     def _admitted(self, req: Request) -> None:
         if req.handoff is not None:  # admitted this step: its state goes into the fresh slot and pages
+            target = self.device if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
             self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
-                                               self.device)
+                                               target, self.conv_order)
             req.handoff = None
 
 
