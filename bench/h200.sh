@@ -4,7 +4,8 @@
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform any \
 #     -d gpu_wheels fastapi uvicorn httpx prometheus-client jinja2          (the server's, for serve-http)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
-#                                     serve-http decode prefill spec kernels pd
+#                                     serve-http decode prefill spec kernels pd; on two GPUs (device kind
+#                                     nvidia-h200-x2), not in the default list: tp-9b tp-27b
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
 # Results go to $OUT (the device tool brings them back), else bench/results; `python -m jaxgdn.bench table`
 # prints them.
@@ -51,6 +52,13 @@ for step in $steps; do
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" ;;
     kernels) timeout 300 python3 -m jaxgdn.bench kernels --out "$dest/kernels_gpu_$stamp.json" ;;
     pd)      timeout 200 python3 -m jaxgdn.bench pd --out "$dest/pd_gpu_$stamp.json" ;;
+    # tensor parallelism: decode of the 9B preset on one GPU and split over two, then the 27B over two; the
+    # profiles' top kernels include the all-reduces
+    tp-9b) for tp in 1 2; do
+             timeout 290 python3 -m jaxgdn.bench decode --model qwen3.5-9b --no-peer --batch 1 64 -tp $tp \
+               --profile /tmp/tp$tp --out "$dest/decode-9b-tp${tp}_gpu_$stamp.json"; done ;;
+    tp-27b) timeout 580 python3 -m jaxgdn.bench decode --model qwen3.5-27b --no-peer --batch 1 64 -tp 2 \
+              --profile /tmp/tp27 --out "$dest/decode-27b-tp2_gpu_$stamp.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

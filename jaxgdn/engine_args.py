@@ -62,6 +62,9 @@ def add_engine_args(ap: argparse.ArgumentParser, **defaults) -> argparse._Argume
                    help="steps of at least N tokens (prompts) compile their matrix products for cuBLAS instead of "
                         "XLA's Triton GEMMs, which lets XLA add the residual stream inside the products; GPU "
                         f"only (default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model's heads, MLP and vocabulary over N devices (a mesh axis; with --pd, N for "
+                        "each worker); N must divide the head counts (default 1)")
     e.add_argument("--pd", action="store_true", help="prefill/decode disaggregation with explicit state handoff")
     e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
                    help="restore vLLM's pre-#47466 behaviour (wrong outputs under PD + MTP, concurrency > 1)")
@@ -79,6 +82,26 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         "async_scheduling": ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
         "decode_steps_per_launch": args.decode_steps_per_launch, "fold_norms": not args.no_fold_norms,
         "fused_decode_kernels": not args.no_fused_decode_kernels, "library_gemms_min_tokens": args.library_gemms_min_tokens,
-        "precompile": args.precompile != "off",
+        "precompile": args.precompile != "off", "tensor_parallel_size": args.tensor_parallel_size,
     }
     return EngineConfig(**{**fields, **overrides})
+
+
+def add_distributed_args(ap: argparse.ArgumentParser) -> None:
+    """Flags of a run over several processes (hosts): one engine whose mesh spans every process's devices."""
+    g = ap.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="process 0's address; every process runs the same command with its own --process-id")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..num_processes-1")
+
+
+def init_distributed(args: argparse.Namespace) -> bool:
+    """jax.distributed.initialize from the flags, before JAX first touches a device; True on process 0 (the
+    one that prints) or when the run is a single process."""
+    if not args.coordinator_address:
+        return True
+    import jax
+
+    jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id)
+    return jax.process_index() == 0

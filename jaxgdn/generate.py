@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine_args import add_engine_args, engine_config
+from .engine_args import add_distributed_args, add_engine_args, engine_config, init_distributed
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -47,6 +47,7 @@ def parse_args(argv=None):
                     help="test problems the no-argument demo runs (default 4)")
     e.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight at once (sets --max-num-seqs); 1 serves them one after another")
+    add_distributed_args(ap)
     return ap.parse_args(argv)
 
 
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
         print("jaxgdn: give --prompt, --prompt-ids or --prompts-file", file=sys.stderr)
         return 2
 
+    printer = init_distributed(args)  # every process runs the engine; process 0 prints
     from .engine.request import SamplingParams
     from .llm import LLM
     from .model.checkpoint import CheckpointError
@@ -113,6 +115,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, sp)
     elapsed = time.perf_counter() - t0
+    if not printer:
+        return 0 if all(o.error is None for o in outputs) else 1
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         shown = prompt if isinstance(prompt, str) else f"ids {list(prompt)}"
         print(f"=== {shown}")

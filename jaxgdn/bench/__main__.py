@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "decode":
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
+            m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
             m.add_argument("--prompt-len", type=int, default=64)
             m.add_argument("--steps", type=int, default=32, help="decode steps per request after the warm-up (the timed calls), "
                                                                     "rounded up to whole launches")
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-speculative-tokens", type=int, default=0)
     sv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     sv.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N")
+    sv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
     sv.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe (the bound)")
     sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")

@@ -138,7 +138,8 @@ def engine_config(args):
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         num_speculative_tokens=args.num_speculative_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        decode_steps_per_launch=args.decode_steps_per_launch)
+                        decode_steps_per_launch=args.decode_steps_per_launch,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def child_run(args) -> dict:
@@ -194,6 +195,7 @@ def _forwarded(args) -> list[str]:
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+             "--tensor-parallel-size", str(args.tensor_parallel_size),
              "--matmul-size", str(args.matmul_size), "--bandwidth-bytes", str(args.bandwidth_bytes)]
     if args.decode_steps_per_launch is not None:
         flags += ["--decode-steps-per-launch", str(args.decode_steps_per_launch)]

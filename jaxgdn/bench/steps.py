@@ -85,7 +85,8 @@ def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",
                         attention_impl: str = "auto", async_scheduling: bool | None = None,
                         decode_steps_per_launch: int | None = None, fold_norms: bool = True,
-                        fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS):
+                        fused_decode_kernels: bool = True, library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS,
+                        tensor_parallel_size: int = 1):
     """The EngineConfig of a benchmark engine: `batch` slots, KV pages for each at max_model_len (not a
     memory fraction), bf16, K MTP drafts."""
     from ..engine.config import EngineConfig
@@ -96,7 +97,8 @@ def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: 
                         kv_page_size=ps, num_kv_pages=pages, dtype="bfloat16", num_speculative_tokens=K,
                         gdn_impl=gdn_impl, attention_impl=attention_impl, async_scheduling=async_scheduling,
                         decode_steps_per_launch=decode_steps_per_launch, fold_norms=fold_norms,
-                        fused_decode_kernels=fused_decode_kernels, library_gemms_min_tokens=library_gemms_min_tokens)
+                        fused_decode_kernels=fused_decode_kernels, library_gemms_min_tokens=library_gemms_min_tokens,
+                        tensor_parallel_size=tensor_parallel_size)
 
 
 def make_engine(params, cfg, **config):
@@ -115,7 +117,7 @@ def add_random_prompts(eng, rng, count: int, length: int, sp) -> None:
 def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: int = 0, gdn_impl: str = "auto",
                      profile_dir: str | None = None, attention_impl: str = "auto",
                      async_scheduling: bool | None = None, decode_steps_per_launch: int | None = None,
-                     fold_norms: bool = True, fused_decode_kernels: bool = True) -> dict:
+                     fold_norms: bool = True, fused_decode_kernels: bool = True, tensor_parallel_size: int = 1) -> dict:
     """Wall time per decode step of the engine in steady state: the engine.step() calls after the prompt
     call and `warm` compile/warm-up launches (and 2 calls after any later compile), summed, over the tokens
     per row whose results they brought back. `steps` is rounded up to whole launches (a launch may run
@@ -139,7 +141,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
     config = dict(batch=batch, max_batched=max(256, batch * prompt_len), K=K, gdn_impl=gdn_impl,
                   attention_impl=attention_impl, async_scheduling=async_scheduling,
                   decode_steps_per_launch=decode_steps_per_launch, fold_norms=fold_norms,
-                  fused_decode_kernels=fused_decode_kernels)
+                  fused_decode_kernels=fused_decode_kernels, tensor_parallel_size=tensor_parallel_size)
     per_launch = bench_engine_config(max_model_len=prompt_len + 1, **config).resolved_decode_steps(
         jax.default_backend())
     traced_launches = 5 if profile_dir else 0
@@ -410,7 +412,8 @@ def bench_decode(args) -> dict:
                              async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
                              decode_steps_per_launch=args.decode_steps_per_launch,
                              fold_norms=args.fold_norms == "on",
-                             fused_decode_kernels=args.fused_decode_kernels == "on")
+                             fused_decode_kernels=args.fused_decode_kernels == "on",
+                             tensor_parallel_size=args.tensor_parallel_size)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context)
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
@@ -444,7 +447,7 @@ def _payload(name: str, args, sizes: dict, rows: list, **extra) -> dict:
 def _decode_payload(args, sizes, bw, rows) -> dict:
     return _payload("decode", args, sizes, rows, bandwidth_gbs=bw, timing=DECODE_TIMING,
                     async_scheduling=args.async_scheduling, decode_steps_per_launch=args.decode_steps_per_launch,
-                    fused_decode_kernels=args.fused_decode_kernels)
+                    fused_decode_kernels=args.fused_decode_kernels, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def bench_prefill(args) -> dict:
