@@ -256,4 +256,24 @@ def qwen35_0_8b() -> ModelConfig:
     )
 
 
-PRESETS = {"qwen3.5-0.8b": qwen35_0_8b}
+def _dense(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, value_heads: int,
+           tied: bool) -> ModelConfig:
+    """A dense Qwen3.5 size: the 0.8B's values (head_dim 256, 16 GDN key heads of 128, value heads of 128, conv
+    4, a full-attention layer every 4th, vocabulary, RoPE, one MTP layer) with its own widths and depth."""
+    return qwen35_0_8b().replace(
+        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, linear_num_value_heads=value_heads, tie_word_embeddings=tied,
+        layer_types=tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(layers)))
+
+
+# The published text configs of Qwen/Qwen3.5-2B, -4B, -9B and -27B (their config.json on the Hugging Face Hub).
+# Widths, depth, heads and the tie flag as mirrored in radixark/miles scripts/models/qwen3.5-{4B,9B,27B}.sh; GDN
+# value heads and the 2B from public test fixtures that quote the config.json files. The 2B's tie flag was in
+# neither: tied, as the 0.8B and 4B.
+PRESETS = {
+    "qwen3.5-0.8b": qwen35_0_8b,
+    "qwen3.5-2b": lambda: _dense(2048, 24, 6144, 8, 2, 16, tied=True),
+    "qwen3.5-4b": lambda: _dense(2560, 32, 9216, 16, 4, 32, tied=True),
+    "qwen3.5-9b": lambda: _dense(4096, 32, 12288, 16, 4, 32, tied=False),
+    "qwen3.5-27b": lambda: _dense(5120, 64, 17408, 24, 4, 48, tied=False),
+}
