@@ -1,7 +1,7 @@
 """Run in its own process by test_tensor_parallel.py, on virtual CPU devices: greedy (and seeded) tokens of one
 random config served at several tensor-parallel sizes, as JSON on stdout.
 
-argv: a JSON list of settings {"tp", "K", "pd", "bytes", "decode_from"}; the process sets its device count before JAX starts.
+argv: a JSON list of settings {"tp", "K", "pd", "bytes", "decode_from", "kernels" (the Pallas kernels, interpreted)}; the process sets its device count before JAX starts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def tp_config():
     """A small config whose head counts and MLP width 4 divides (Hv = 2 Hk, Hq = 2 Hkv), and a vocabulary it does not
     (the shards pad it)."""
     return small_config(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
-                        linear_num_value_heads=8, intermediate_size=128, vocab_size=250, tie_word_embeddings=True)
+                        linear_num_value_heads=8, linear_value_head_dim=32, intermediate_size=128, vocab_size=250,
+                        tie_word_embeddings=True)
 
 
 def workload():
@@ -48,7 +49,8 @@ def serve(setting: dict) -> list[list[int]]:
     weights = init_random_params(cfg, seed=1)
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, dtype="float32",
                         tensor_parallel_size=setting["tp"], num_speculative_tokens=setting["K"], pd=setting["pd"],
-                        compilation_cache=False)
+                        compilation_cache=False, **({"gdn_impl": "pallas", "attention_impl": "pallas"}
+                                                    if setting.get("kernels") else {}))
     prompts, params = workload()
     if not setting["pd"]:
         engine = LLMEngine(weights, cfg, ecfg)
