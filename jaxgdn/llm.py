@@ -32,7 +32,7 @@ def load_model(model: str | Path, config: EngineConfig) -> tuple[ModelConfig, Mo
     dtype = jnp.dtype(config.dtype)
     if str(model) in PRESETS:
         cfg = PRESETS[str(model)]()
-        params, tokenizer = init_random_params(cfg, seed=0, dtype=dtype), None
+        params, tokenizer = init_random_params(cfg, seed=0, dtype=dtype, on_device=True), None
     else:
         (cfg, params), tokenizer = load_checkpoint(model, dtype=dtype), load_tokenizer(model)
     # one serving copy for both PD workers; the loaded layout is dropped

@@ -33,7 +33,7 @@ def load_model(model: str, include_mtp: bool = False):
 
     if model in PRESETS:
         cfg = PRESETS[model]()
-        return init_random_params(cfg, seed=0, dtype=jnp.bfloat16, include_mtp=include_mtp), cfg
+        return init_random_params(cfg, seed=0, dtype=jnp.bfloat16, include_mtp=include_mtp, on_device=True), cfg
     from ..model.checkpoint import load_checkpoint
 
     cfg, params = load_checkpoint(model, dtype=jnp.bfloat16, include_mtp=include_mtp)

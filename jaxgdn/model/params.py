@@ -298,35 +298,52 @@ class _KeyEcho(dict):
         return key
 
 
+def _distribution(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> tuple:
+    """How init_random_params draws a tensor: ("log_uniform", low, high) or ("normal", loc, mul, div), the value
+    loc + mul * N(0, 1) / div."""
+    if name.endswith("A_log"):
+        return ("log_uniform", 0.05, 1.0)
+    if name.endswith("linear_attn.norm.weight"):
+        return ("normal", 1.0, 0.1, 1.0)
+    if name.endswith("dt_bias"):
+        return ("normal", 0.0, 0.5, 1.0)
+    if len(shape) == 1:
+        return ("normal", 0.0, 0.1, 1.0)
+    if name.endswith(RESIDUAL_OUTPUT_PROJECTIONS):
+        # GPT-2's residual scaling keeps each block's Jacobian near 1, so fp32 rounding does not
+        # double per layer and parity tests can use tight tolerances.
+        return ("normal", 0.0, 1.0, np.sqrt(shape[-1] * 2 * cfg.num_hidden_layers))
+    # linears and the conv taps over their fan-in (the last axis); embeddings over H, for logits of O(1)
+    return ("normal", 0.0, 1.0, np.sqrt(shape[-1]))
+
+
 def init_random_params(
-    cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, include_mtp: bool | None = None
+    cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, include_mtp: bool | None = None, on_device: bool = False
 ) -> ModelParams:
     """Random weights with O(1) activations: every tensor random, none at HF's init values.
 
     Linears ~ N(0, 1/fan_in), residual output projections / (2 * layers); (1+w) norm offsets ~ N(0, 0.1); gated-norm w ~ 1 + N(0, 0.1);
     A_log = log U(0.05, 1) (strong decays of |g| >> 1 make fp32 itself, HF's included, lose ~1e-3
     on logits, so parity tests could not tell bugs from rounding); dt_bias ~ N(0, 0.5); conv taps ~ N(0, 1/Kc); embeddings ~ N(0, 1/H).
+    on_device: drawn with jax.random on the default device (the same distributions, other values): seconds
+    for the largest presets, where numpy's draw on the host takes minutes.
     """
     rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
     tensors = {}
-    for name, shape in expected_tensor_shapes(cfg, include_mtp).items():
-        if name.endswith("A_log"):
-            x = np.log(rng.uniform(0.05, 1.0, shape))
-        elif name.endswith("linear_attn.norm.weight"):
-            x = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name.endswith("dt_bias"):
-            x = 0.5 * rng.standard_normal(shape)
-        elif name.endswith("conv1d.weight"):
-            x = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        elif len(shape) == 1:
-            x = 0.1 * rng.standard_normal(shape)
-        elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-            x = rng.standard_normal(shape) / np.sqrt(shape[-1])  # logits of O(1)
-        elif name.endswith(RESIDUAL_OUTPUT_PROJECTIONS):
-            # GPT-2's residual scaling keeps each block's Jacobian near 1, so fp32 rounding does not
-            # double per layer and parity tests can use tight tolerances.
-            x = rng.standard_normal(shape) / np.sqrt(shape[-1] * 2 * cfg.num_hidden_layers)
+    for i, (name, shape) in enumerate(expected_tensor_shapes(cfg, include_mtp).items()):
+        kind, *args = _distribution(cfg, name, shape)
+        if on_device:
+            k = jax.random.fold_in(key, i)
+            if kind == "log_uniform":
+                x = jnp.log(jax.random.uniform(k, shape, jnp.float32, *args))
+            else:
+                loc, mul, div = args
+                x = loc + mul * jax.random.normal(k, shape, jnp.float32) / div
+        elif kind == "log_uniform":
+            x = np.log(rng.uniform(*args, shape))
         else:
-            x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+            loc, mul, div = args
+            x = loc + mul * rng.standard_normal(shape) / div
         tensors[name] = jnp.asarray(x, dtype=tensor_dtype(name, dtype))
     return params_from_tensors(cfg, tensors, include_mtp=cfg.has_mtp if include_mtp is None else include_mtp)
