@@ -57,17 +57,19 @@ def grid(tps, K, pd, **extra):
 
 
 def test_tp_tokens_equal_single_device():
-    """Greedy and seeded tokens at TP 2 and 4 equal TP 1's: plain steps; PD + MTP (K=2) with handoffs as bytes,
-    whose conv windows change channel order between the mesh and the wire, at TP 2 with the prefill worker on
-    devices 0-1 and the decode worker on 2-3. (-m slow: the Pallas kernels, interpreted, run per shard.)"""
-    settings = (grid((1, 2, 4), 0, False) + grid((1, 4), 2, True, bytes=True)
-                + [{"tp": 2, "K": 2, "pd": True, "bytes": True, "decode_from": 2}])
+    """Greedy and seeded tokens at TP 2 and 4 equal TP 1's: plain steps at TP 4 (the vocabulary padded); PD + MTP
+    (K=2) with handoffs as bytes, whose conv windows change channel order between the mesh and the wire, at TP 2
+    with the prefill worker on devices 0-1 and the decode worker on 2-3. (-m slow: the other combinations, and
+    the Pallas kernels, interpreted, run per shard.)"""
+    settings = grid((1, 4), 0, False) + grid((1,), 2, True, bytes=True) + [
+        {"tp": 2, "K": 2, "pd": True, "bytes": True, "decode_from": 2}]
     assert_same_as_tp1(settings, child_tokens(settings))
 
 
 @pytest.mark.slow
 def test_tp_tokens_mtp_alone_pd_alone_and_kernels():
-    settings = grid((1, 2, 4), 2, False) + grid((1, 2, 4), 0, True) + grid((1, 2), 2, False, kernels=True)
+    settings = (grid((1, 2, 4), 2, False) + grid((1, 2, 4), 0, True) + grid((1, 2), 0, False)
+                + grid((1, 4), 2, True, bytes=True) + grid((1, 2), 2, False, kernels=True))
     assert_same_as_tp1(settings, child_tokens(settings))
 
 

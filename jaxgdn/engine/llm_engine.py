@@ -12,7 +12,6 @@ import itertools
 import time
 from typing import Callable, Iterable
 
-import jax
 import numpy as np
 
 from pallas_kernels.ragged_attention import block_queries
@@ -28,7 +27,8 @@ from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state
 from .step_layout import BlockTables, StepArrays, build_step, empty_step, pack_step_arrays
-from .tensor_parallel import local_config, make_mesh, mesh_size, param_specs, place, shard_major, shardings, state_specs
+from .placement import Placement
+from .tensor_parallel import local_config
 
 
 class LLMEngine:
@@ -51,33 +51,26 @@ class LLMEngine:
             enable_compilation_cache()
         # a copy of the weights unless the caller passed them in this layout (LLM does)
         params = serving_layout(params, ecfg.fold_norms)
-        tp = ecfg.tensor_parallel_size
-        self.step_cfg = local_config(cfg, tp)  # what one shard's step sees (cfg on one device)
-        if tp > 1:
-            mesh = mesh if mesh is not None else make_mesh(jax.devices(), tp)
-            if mesh_size(mesh) != tp:
-                raise ValueError(f"a mesh of {mesh_size(mesh)} devices for tensor_parallel_size {tp}")
-            params = place(shard_major(params, cfg, tp), mesh, param_specs(params))
-            # this process's first device of the mesh stands for each (memory stats, platform)
-            device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-        elif device is not None:
-            params = jax.device_put(params, device)
-        self.mesh = mesh if tp > 1 else None
-        self.device = device
-        platform = device.platform if device is not None else jax.default_backend()
+        self.step_cfg = local_config(cfg, ecfg.tensor_parallel_size)  # what one shard's step sees (cfg on one device)
+        self.placement = Placement.of(ecfg.tensor_parallel_size, device, mesh)
+        params = self.placement.put_params(params, cfg)
+        self.mesh, self.device = self.placement.mesh, self.placement.device
+        platform = self.placement.platform
         self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
         self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
         self.block_q = block_queries(self.step_cfg.num_attention_heads, self.step_cfg.num_key_value_heads)
         self.policy = policy or ecfg.kernel_policy(platform, input_impl)
         self.runner = ModelRunner(params, cfg, None, policy=self.policy, reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug,
-                                  device=None if self.mesh else device, rebases=ecfg.uses_async_scheduling and self.K > 0,
+                                  device=None if self.mesh else self.device,
+                                  rebases=ecfg.uses_async_scheduling and self.K > 0,
                                   mesh=self.mesh)
         new_state = lambda pages, garbage=None: init_engine_state(  # noqa: E731
             cfg, ecfg, pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage)
         # a shard's pools are its heads' share: the per-device plan is the local config's
-        self.memory = plan_memory(self.step_cfg, ecfg, with_mtp, device_memory(device),
-                                  lambda pages: self._step_peak(self._abstract_state(new_state, pages)), memory_share)
+        self.memory = plan_memory(self.step_cfg, ecfg, with_mtp, device_memory(self.device),
+                                  lambda pages: self._step_peak(self.placement.abstract_state(lambda: new_state(pages))),
+                                  memory_share)
         num_pages = self.memory.num_kv_pages
         if num_pages - 1 < ecfg.max_pages_per_seq:
             raise ValueError(
@@ -85,7 +78,8 @@ class LLMEngine:
                 f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
             )
         self.scheduler = Scheduler(ecfg, num_pages)
-        self.runner.state = self._place_state(new_state, num_pages, garbage_seed)
+        self.runner.state = self.placement.make_state(lambda: new_state(num_pages, garbage_seed),
+                                                      host_drawn=garbage_seed is not None)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -104,25 +98,6 @@ class LLMEngine:
         self.async_scheduling = ecfg.uses_async_scheduling
         self._in_flight: _InFlight | None = None
         self.num_launches = 0
-
-    def _abstract_state(self, new_state, pages: int):
-        """The state's shapes (with its shardings under tensor parallelism), allocating nothing."""
-        state = jax.eval_shape(lambda: new_state(pages))
-        if self.mesh is None:
-            return state
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                            shardings(self.mesh, state_specs(state)))
-
-    def _place_state(self, new_state, pages: int, garbage_seed: int | None):
-        """The device state: on the engine's device, or split over its mesh without being built whole on one
-        device first (but for the garbage of slot-hygiene tests, drawn on the host)."""
-        if self.mesh is None:
-            state = new_state(pages, garbage_seed)
-            return jax.device_put(state, self.device) if self.device is not None else state
-        specs = state_specs(jax.eval_shape(lambda: new_state(pages)))
-        if garbage_seed is not None:
-            return place(new_state(pages, garbage_seed), self.mesh, specs)
-        return jax.jit(lambda: new_state(pages), out_shardings=shardings(self.mesh, specs))()
 
     def _step_peak(self, state) -> int:
         """Bytes of the temporaries of the largest ragged step program (sampled), compiled on `state`
