@@ -95,7 +95,8 @@ def engine_config(sc: ServeConfig, args):
     return EngineConfig(max_num_seqs=sc.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, kv_page_size=16, num_kv_pages=1 + sc.concurrency * pages_per_seq,
                         dtype=args.dtype, pd=sc.pd, num_speculative_tokens=sc.num_speculative_tokens,
-                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug, precompile=False)
+                        reproduce_pd_mtp_bug=sc.reproduce_pd_mtp_bug, precompile=False,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def run_config(model: str, prompts: list[str], answers: list[int], sc: ServeConfig, args,
@@ -193,6 +194,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                    help="split each engine over N devices (EngineConfig.tensor_parallel_size; default 1)")
     ap.add_argument("--out", help="JSON path for the results (default with --configs: bench/results/eval_<backend>_<date>.json)")
     ap.add_argument("--show", type=int, default=0, help="print the first N completions of each configuration")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
