@@ -161,7 +161,7 @@ def import_handoff(cfg: ModelConfig, state: EngineState, h: Handoff, slot: int, 
     """Write a handoff into the decode worker's pools at a fresh slot and pages. Resets the slot's
     num_accepted to 1 and its drafts to -1; last_sampled is left as the slot's previous occupant had it
     (the fixed input kernel never reads it for the prompt tail; the buggy one does). device: the pools' device
-    or (tensor parallelism) a replicated sharding on their mesh; conv_order as in export_handoff."""
+    or sharding (replicated over a tensor-parallel mesh); conv_order as in export_handoff."""
     put = (lambda x: jax.device_put(jnp.asarray(x), device)) if device is not None else jnp.asarray
     n_pages = h.kv_k.shape[1] if h.kv_k.ndim > 1 else 0
     dst = jnp.asarray(pages[:n_pages], jnp.int32)

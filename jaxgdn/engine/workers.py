@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from jax.sharding import NamedSharding, PartitionSpec
-
 from .llm_engine import LLMEngine
 from .pd import Handoff, config_fingerprint, export_handoff, handoff_problem, import_handoff
 from .request import Request, SamplingParams
@@ -77,9 +75,8 @@ class DecodeWorker(_Worker):
 
     def _admitted(self, req: Request) -> None:
         if req.handoff is not None:  # admitted this step: its state goes into the fresh slot and pages
-            target = self.device if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
             self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
-                                               target, self.conv_order)
+                                               self.runner.buffer_sharding, self.conv_order)
             req.handoff = None
 
 
