@@ -415,7 +415,7 @@ def bench_decode(args) -> dict:
                              fused_decode_kernels=args.fused_decode_kernels == "on",
                              tensor_parallel_size=args.tensor_parallel_size)
         context = args.prompt_len + args.steps
-        nbytes = decode_bytes(cfg, sizes, batch, context)
+        nbytes = decode_bytes(cfg, sizes, batch, context) / args.tensor_parallel_size  # what each device reads
         row = {"batch": batch, "prompt_len": args.prompt_len, **r, "tokens_per_s": batch / r["ms_per_step"] * 1e3,
                "roofline_bytes": nbytes, "roofline_ms": nbytes / (bw * 1e9) * 1e3}
         rows.append(row)
