@@ -41,8 +41,10 @@ def assert_same_as_tp1(settings: list[dict], results: list) -> None:
     assert all(len(out) == 10 for r in results for out in r)
 
 
-def test_sharded_head_is_exact():
-    """The LM head split over 4 devices with a padded vocabulary: argmax and gathered logits equal one device's."""
+def test_sharded_head_is_exact_and_each_block_all_reduces_once():
+    """The LM head split over 4 devices with a padded vocabulary: argmax and gathered logits equal one device's.
+    A TP=2 decode step all-reduces once per mixer, once per MLP and once per embedding (2L + 1; an MTP draft
+    adds its embedding and its layer's two), each [rows, H] in fp32 (`bench comm` reads the same counts)."""
     run = subprocess.run([sys.executable, str(HERE / "tp_child.py"), "head"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -50,6 +52,10 @@ def test_sharded_head_is_exact():
     assert got["max_logit_row0"] < 0 and got["want_argmax"][1] == 3
     assert got["argmax"] == got["want_argmax"]
     assert got["logits_shape"] == [6, 250] and got["logits_close"]
+    c = got["collectives"]
+    L, row_bytes = c["layers"], 2 * c["hidden"] * 4  # 2 rows of H fp32
+    assert c["counts"]["0"]["all_reduce"] == [2 * L + 1, (2 * L + 1) * row_bytes]
+    assert c["counts"]["1"]["all_reduce"][0] == 2 * L + 1 + 3
 
 
 def grid(tps, K, pd, **extra):

@@ -107,8 +107,28 @@ def head_checks() -> dict:
             "logits_close": bool(np.allclose(np.asarray(got_logits), full, atol=1e-5))}
 
 
+def collective_counts() -> dict:
+    """All-reduces in the lowered TP=2 decode program (uniform, 2 rows) of the test config, with and without an
+    MTP draft, counted by `bench comm`'s reader."""
+    from jaxgdn.bench.comm import count_collectives
+    from jaxgdn.engine.programs import ProgramSet
+    from jaxgdn.engine.step_layout import empty_step, pack_step_arrays
+
+    cfg = tp_config()
+    counts = {}
+    for K in (0, 1):
+        ecfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, dtype="float32",
+                            tensor_parallel_size=2, num_speculative_tokens=K, compilation_cache=False)
+        engine = LLMEngine(init_random_params(cfg, seed=0), cfg, ecfg)
+        shape = ProgramSet(ecfg).launch(2, 1)
+        _, layout = pack_step_arrays(empty_step(shape, ecfg, engine.block_q))
+        module = engine.runner.lower(layout, False, 1, shape.width).compiler_ir("stablehlo")
+        counts[K] = {k: list(v) for k, v in count_collectives(module).items()}
+    return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "counts": counts}
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "head":
-        print(json.dumps(head_checks()))
+        print(json.dumps({**head_checks(), "collectives": collective_counts()}))
     else:
         print(json.dumps([serve(s) for s in json.loads(sys.argv[1])]))

@@ -9,6 +9,7 @@ Sub-commands:
   pd       PD handoff bytes, serialisation and device-move time per request (one and two devices)
   serve    the serving benchmark: a seeded workload (random, sharegpt-like, the shipped task) all at once or
            at a request rate; start-up, cold and warm wall time, tokens/s, TTFT/TPOT/ITL, the bound, transformers
+  comm     the collectives of a tensor-parallel decode step, counted in its lowered program (CPU is enough)
   table    print the README's markdown tables from bench/results/*.json
 """
 
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")
     sv.add_argument("--child", choices=["workload", "startup"], default=None, help=argparse.SUPPRESS)
     sv.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)  # a child's compilation cache
+    c = add("comm", "collectives of a tensor-parallel decode step, from its lowered program (CPU: set "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    c.add_argument("--model", nargs="+", default=["qwen3.5-9b", "qwen3.5-27b"], help="presets")
+    c.add_argument("--tp", "-tp", type=int, nargs="+", default=[2], help="tensor_parallel_size values")
+    c.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    c.add_argument("--num-speculative-tokens", type=int, default=0)
     t = sub.add_parser("table", help="markdown tables from result JSON files")
     t.add_argument("files", nargs="*", help="result files (default: every file in bench/results with a table)")
     t.add_argument("--notes", action="store_true", help="also print each file's note")
@@ -180,6 +187,8 @@ def main(argv=None) -> int:
         from .spec_pd import bench_spec as run
     elif args.command == "pd":
         from .spec_pd import bench_pd as run
+    elif args.command == "comm":
+        from .comm import bench_comm as run
     elif args.command == "serve" and args.http:
         from .serve_http import bench_serve_http as run
     elif args.command == "serve":

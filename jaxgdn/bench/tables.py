@@ -154,8 +154,16 @@ def eval_table(d: dict) -> list[str]:
                              _fmt(r["acceptance_rate"]), f"{r['tokens_per_s']:.0f}"])
 
 
+def comm_table(d: dict) -> list[str]:
+    """`bench comm`: the collectives of one tensor-parallel decode step, from its lowered program."""
+    return _table(["preset", "TP", "batch", "sampling", "all-reduces", "all-reduce MB", "all-gathers", "all-gather MB"],
+                  d["rows"], lambda r: [r["model"], str(r["tp"]), str(r["batch"]), "sampled" if r["sampled"] else "greedy",
+                                        str(r.get("all_reduce_count", 0)), f"{r.get('all_reduce_bytes', 0) / 1e6:.3f}",
+                                        str(r.get("all_gather_count", 0)), f"{r.get('all_gather_bytes', 0) / 1e6:.3f}"])
+
+
 TABLES = {"serve": serve_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
-          "kernels": kernels_table, "pd": pd_table, "eval": eval_table}
+          "kernels": kernels_table, "pd": pd_table, "eval": eval_table, "comm": comm_table}
 
 
 def benchmark_of(d: dict, path: Path) -> str:
