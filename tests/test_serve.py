@@ -3,10 +3,17 @@ package and httpx. Greedy outputs equal LLM.generate's; errors have OpenAI's sha
 200 requests from 32 concurrent clients, some aborted midway, lose nothing and leave every page and slot free."""
 
 import asyncio
+import gc
+import json
+import logging
 import queue
 import random
+import threading
+import time
+import warnings
 
 import httpx
+import openai
 import pytest
 from servers import drained, serve_in_thread
 from openai import AsyncOpenAI, OpenAI
@@ -84,7 +91,7 @@ def test_openai_client_completions_chat_streaming_equal_generate(server, referen
     before = drained(state.front).get("finished_abort", 0)
     with pytest.raises(httpx.TimeoutException):  # a client that hangs up on a long non-streaming request
         httpx.post(url + "/v1/completions", timeout=1.0, json={
-            "model": MODEL, "prompt": probs[0].prompt(), "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+            "model": MODEL, "prompt": probs[0].prompt(), "max_tokens": 340, "ignore_eos": True, "temperature": 0})
     assert drained(state.front)["finished_abort"] == before + 1  # aborted, its pages and slot freed
 
     assert client.models.list().data[0].id == MODEL
@@ -190,3 +197,148 @@ def test_shutdown_aborts_or_finishes_the_requests_in_flight(reference):
         with pytest.raises(EngineDead):
             front.submit(prompts[0], greedy(4), lambda d: None)
 
+
+
+# ------------------------------------------------------------------------------------ adversarial input
+class HealthPoller:
+    """Polls /health from a thread for as long as it is entered; `worst` is the slowest answer in seconds."""
+
+    def __init__(self, url):
+        self.url, self.times, self.stop = url, [], threading.Event()
+
+    def __enter__(self):
+        def poll():
+            with httpx.Client(base_url=self.url, timeout=30) as c:
+                while not self.stop.is_set():
+                    t0 = time.perf_counter()
+                    assert c.get("/health").status_code == 200
+                    self.times.append(time.perf_counter() - t0)
+                    time.sleep(0.005)
+
+        for _ in range(3):
+            httpx.get(self.url + "/health")
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.1)
+        self.stop.set()
+        self.thread.join(30)
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+def post_raw(url, path, data: bytes):
+    return httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=120)
+
+
+def assert_openai_error(r, status, param=None, kind="invalid_request_error"):
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_huge_prompts_are_refused_without_blocking_the_event_loop(server):
+    """Multi-megabyte prompts (text, token ids, chat) are refused before they are parsed or tokenized, and a
+    long text that is tokenized is tokenized off the event loop: /health answers within 100 ms throughout."""
+    url, state = server
+    huge = "a " * 5_242_880
+    with HealthPoller(url) as health:
+        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": huge}).encode()), 413)
+        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": [[5] * 300_000] * 4}).encode()), 413)
+        assert_openai_error(post_raw(url, "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": huge}]}).encode()), 413)
+        # within the body limit, yet more characters than max_model_len tokens can hold: refused untokenized
+        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": huge[:900_000]}).encode()),
+                            400, "prompt")
+        assert_openai_error(post_raw(url, "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": huge[:900_000]}]}).encode()), 400, "messages")
+    assert health.worst < 0.1, health.worst
+
+    # a text that passes the size check is tokenized in a worker thread (the engine then refuses its length)
+    per_token, state.max_request_bytes = state.tokenizer.max_token_bytes, 1 << 24
+    state.tokenizer.max_token_bytes = 10_000
+    try:
+        with HealthPoller(url) as health:
+            r = post_raw(url, "/v1/completions", json.dumps({"prompt": huge[:1_000_000]}).encode())
+        assert_openai_error(r, 400, "prompt")
+        assert "1000000 tokens" in r.json()["error"]["message"]
+        assert health.worst < 0.1, health.worst
+    finally:
+        state.tokenizer.max_token_bytes, state.max_request_bytes = per_token, None
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    ("/v1/completions", b'{"prompt": "caf\xe9"}', None),  # invalid UTF-8 in the body
+    ("/v1/completions", b'{"prompt": "x", "n": "many"}', "n"),  # pydantic's validation
+    ("/v1/completions", b'{"prompt": "x", "seed": 1180591620717411303424}', "seed"),  # 2**70
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 600}', "max_tokens"),  # prompt + max_tokens > max_model_len
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e308}', "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "top_k": 1180591620717411303424}', "top_k"),
+])
+def test_malformed_input_gets_400_in_openai_shape(server, path, body, param):
+    url, _ = server
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. no overflow in a cast
+        assert_openai_error(post_raw(url, path, body), 400, param)
+
+
+def test_unknown_route_gets_openai_shape(server):
+    url, _ = server
+    assert_openai_error(httpx.get(url + "/v1/nothing"), 404)
+
+
+def test_seeds_are_64_bit(server):
+    url, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    sample = lambda seed: client.completions.create(  # noqa: E731
+        model=MODEL, prompt=PROBLEMS[0].prompt(), max_tokens=24, temperature=5.0, seed=seed).choices[0].text
+    texts = {seed: sample(seed) for seed in (0, 2**32, -(2**32), 2**63 - 1, 2**64 - 1)}
+    assert len(set(texts.values())) == len(texts), texts
+    assert sample(2**64 - 1) == texts[2**64 - 1] and sample(-1) == texts[2**64 - 1]  # modulo 2**64
+
+
+def test_timeout_is_an_error_not_a_cut_off_answer(server):
+    """A request that runs past --request-timeout: a non-streaming one gets 408 in OpenAI's shape, a stream
+    ends with an error event (which the openai client raises); both are aborted and free their pages."""
+    url, state = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    body = dict(model=MODEL, prompt=PROBLEMS[0].prompt(), max_tokens=340, temperature=0, extra_body={"ignore_eos": True})
+    state.request_timeout = 0.3
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**body)
+        assert e.value.status_code == 408 and e.value.body["type"] == "timeout_error"
+        with pytest.raises(openai.APIError, match="request-timeout"):
+            for _ in client.completions.create(**body, stream=True):
+                pass
+    finally:
+        state.request_timeout = None
+    assert_all_free(state)
+
+
+def test_client_hang_up_is_aborted_quietly(server, caplog):
+    """A client that hangs up on non-streaming requests: each is aborted, and nothing but a line per request
+    is logged (no never-retrieved exception of a cancelled choice)."""
+    url, state = server
+    before = drained(state.front).get("finished_abort", 0)
+    body = {"model": MODEL, "prompt": PROBLEMS[0].prompt(), "max_tokens": 340, "ignore_eos": True, "n": 3}
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url + "/v1/completions", timeout=0.5, json=body)
+        assert drained(state.front)["finished_abort"] == before + 9
+        gc.collect()
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not noisy, [r.getMessage() for r in noisy]
+    assert sum("hung up" in r.getMessage() for r in caplog.records) <= 3
+    assert_all_free(state)

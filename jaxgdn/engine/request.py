@@ -26,11 +26,21 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Beyond this temperature every token is equally likely at fp32 precision; larger values only risk overflow.
+MAX_TEMPERATURE = 1e4
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64)  # a seed is taken modulo 2**64: int64 and uint64 values are both accepted
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables nucleus sampling.
     seed: the noise is keyed by (seed, position), so a seeded request reproduces in any batch; None keys
-    it by (request id, position) instead."""
+    it by (request id, position) instead. A seed is 64 bits: any integer in [-2**63, 2**64), modulo 2**64."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,14 +52,25 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX):
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer below 2**31, got {self.top_k}")
+        if not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
+            raise ValueError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)[:5]}")
+
+    @property
+    def seed_words(self) -> tuple[int, int]:
+        """(low, high) 32-bit words of the seed modulo 2**64 ((0, 0) unseeded)."""
+        s = (self.seed or 0) % 2**64
+        return s & 0xFFFFFFFF, s >> 32
 
 
 @dataclasses.dataclass

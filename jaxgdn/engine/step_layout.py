@@ -117,9 +117,12 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
     kv_slots[:n_tokens] = block_tables[row_of, pos // ps] * ps + pos % ps
     block_row, block_start = query_blocks(qsl, n_rows, block_q, num_query_blocks(T, R, block_q))
     # A seeded request's noise depends only on (seed, position), so it reproduces in any batch and
-    # under any request id; unseeded requests are keyed by their request id instead.
-    seeds = [(sp.seed if sp.seed is not None else 0) & 0xFFFFFFFF for sp in sps]
-    request_ids = [0 if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF for q, sp in zip(reqs, sps)]
+    # under any request id; unseeded requests are keyed by their request id instead. A seed's high word
+    # takes the request id's place (0 below 2**32, so those seeds sample as 32-bit seeds did).
+    words = [sp.seed_words for sp in sps]
+    seeds = [lo for lo, _ in words]
+    request_ids = [hi if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF
+                   for q, sp, (_, hi) in zip(reqs, sps, words)]
     next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
     return StepArrays(
         input_ids=input_ids, positions=positions, token_row=token_row, kv_slots=kv_slots, query_start_loc=qsl,

@@ -8,11 +8,15 @@ from pathlib import Path
 
 
 class Tokenizer:
-    """encode(text) -> ids; decode(ids) -> text; chat_template: a Jinja template of `messages`, or None."""
+    """encode(text) -> ids; decode(ids) -> text; chat_template: a Jinja template of `messages`, or None.
+    max_token_bytes: the most UTF-8 bytes of text one token stands for (from the vocabulary's longest entry;
+    an upper bound), so a text of B bytes has at least B / max_token_bytes tokens; None where unknown."""
 
-    def __init__(self, encode, decode, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
+    def __init__(self, encode, decode, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None,
+                 max_token_bytes: int | None = None):
         self.encode, self.decode, self.eos_token_ids = encode, decode, eos_token_ids
         self.chat_template = chat_template
+        self.max_token_bytes = max_token_bytes
 
 
 def load_chat_template(path: str | Path) -> str | None:
@@ -25,6 +29,19 @@ def load_chat_template(path: str | Path) -> str | None:
     return None
 
 
+def _max_token_bytes(vocab) -> int | None:
+    # a byte-level key ("Ġ") or a word-piece prefix ("##", "▁") has at least the bytes of the text it stands for
+    return max((len(k.encode("utf-8", "surrogatepass")) for k in vocab), default=None)
+
+
+def from_tokenizers(tok, chat_template: str | None = None) -> Tokenizer:
+    """A Tokenizer over a `tokenizers.Tokenizer`. Its batch calls release the GIL, so a server thread that
+    encodes a long prompt does not stall the others."""
+    return Tokenizer(lambda s: tok.encode_batch([s])[0].ids,
+                     lambda ids: tok.decode_batch([list(ids)], skip_special_tokens=True)[0],
+                     chat_template=chat_template, max_token_bytes=_max_token_bytes(tok.get_vocab(with_added_tokens=True)))
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work)."""
     path = Path(path)
@@ -32,9 +49,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
 
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        return Tokenizer(lambda s: tok.encode(s).ids, lambda ids: tok.decode(list(ids), skip_special_tokens=True),
-                         chat_template=template)
+        return from_tokenizers(HFTokenizer.from_file(str(path / "tokenizer.json")), template)
     if (path / "tokenizer_config.json").exists():
         try:
             from transformers import AutoTokenizer
@@ -42,5 +57,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
             return None
         tok = AutoTokenizer.from_pretrained(str(path))
         return Tokenizer(lambda s: tok.encode(s, add_special_tokens=False),
-                         lambda ids: tok.decode(ids, skip_special_tokens=True), chat_template=template)
+                         lambda ids: tok.decode(ids, skip_special_tokens=True), chat_template=template,
+                         max_token_bytes=_max_token_bytes(tok.get_vocab()))
     return None

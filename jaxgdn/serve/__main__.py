@@ -38,6 +38,9 @@ def parse_args(argv=None):
                     help="abort a request after this many seconds (default: never)")
     ap.add_argument("--max-waiting", type=int, default=4096,
                     help="requests queued beyond the running ones before new ones get HTTP 429 (default %(default)s)")
+    ap.add_argument("--max-request-bytes", type=int, default=None,
+                    help="refuse (HTTP 413) a request body larger than this, before parsing it (default: room for 16 "
+                         "prompts of --max-model-len tokens, at least 1 MiB)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGINT/SIGTERM, seconds to let requests in flight finish before they are aborted")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -64,7 +67,7 @@ def build_state(args):
     return ServerState(front=front, model_name=args.served_model_name or Path(str(model)).name,
                        tokenizer=llm.tokenizer, role=args.role,
                        prefill_url=args.prefill_url if args.role == "decode" else None,
-                       request_timeout=args.request_timeout)
+                       request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes)
 
 
 def main(argv=None) -> int:

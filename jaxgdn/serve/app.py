@@ -15,16 +15,17 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..engine.pd import Handoff
 from ..engine.request import SamplingParams
 from ..model.tokenizer import Tokenizer
-from .async_engine import AsyncEngine, EngineDead, EngineFull
+from .async_engine import AsyncEngine, EngineDead, EngineFull, RequestTimedOut
 from .metrics import prometheus_text
 from .protocol import BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_body
 from .text import TextStream, render_chat
@@ -36,7 +37,8 @@ logger = logging.getLogger("jaxgdn.serve")
 class ServerState:
     """What the routes share. role: "both" (a plain or one-process PD engine), "prefill" or "decode";
     prefill_url: where a decode role fetches handoffs (None: it prefills itself). request_timeout: seconds
-    before a request is aborted (None: never)."""
+    before a request is aborted (None: never). max_request_bytes: a larger body is refused (413) before it is
+    parsed (None: `default_max_request_bytes`)."""
 
     front: AsyncEngine
     model_name: str
@@ -45,7 +47,51 @@ class ServerState:
     prefill_url: str | None = None
     request_timeout: float | None = None
     shutdown_abort: bool = True
+    max_request_bytes: int | None = None
     http: object = None  # httpx.AsyncClient of a decode role with a prefill_url
+
+    def body_limit(self) -> int:
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        per_token = self.tokenizer.max_token_bytes if self.tokenizer else None
+        return default_max_request_bytes(self.front.validator.ecfg.max_model_len, per_token)
+
+
+def default_max_request_bytes(max_model_len: int, max_token_bytes: int | None) -> int:
+    """Room for a batch of 16 prompts of max_model_len tokens as JSON (with escapes), at least 1 MiB: parsing
+    a body holds the event loop, so one far beyond what can fit is refused unread."""
+    return max(1 << 20, 16 * max_model_len * max(max_token_bytes or 0, 16))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body past `limit()` bytes gets 413 in OpenAI's shape before anything parses
+    it (a Content-Length over it at once, else as soon as that many bytes arrived). Handoff bytes are exempt."""
+
+    def __init__(self, app, limit: Callable[[], int], exempt: tuple[str, ...] = ("/v1/handoff",)):
+        self.app, self.limit, self.exempt = app, limit, exempt
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        limit = self.limit()
+        too_large = f"request body larger than {limit} bytes (the server's --max-request-bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            body = json.dumps(error_body(too_large)).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:  # the route's body read raises it; the HTTPException handler answers
+                raise HTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 @dataclasses.dataclass
@@ -77,6 +123,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="jaxgdn", lifespan=lifespan)
     app.state.jaxgdn = state
+    app.add_middleware(BodyLimit, limit=state.body_limit)
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_, e: BadRequest):
@@ -88,6 +135,11 @@ def build_app(state: ServerState) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where),
                             status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # a body that does not parse, an unknown route, a wrong method
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
 
     @app.get("/health")
     async def health():
@@ -147,7 +199,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = _prompts(state, body.prompt)
+        prompts = await _prompts(state, body.prompt)
         choices = _choices(state, body, prompts, 16)
         return await _respond(state, body, choices, chat=False, http_request=request)
 
@@ -156,15 +208,17 @@ def build_app(state: ServerState) -> FastAPI:
         tok = state.tokenizer
         if tok is None or not tok.chat_template:
             raise BadRequest(f"model {state.model_name} has no chat template (chat_template.jinja); use /v1/completions")
-        try:
-            text = render_chat(tok.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        _check_text_fits(state, sum(len(m["content"]) for m in messages), "messages")
+        try:  # a long conversation renders off the event loop
+            text = await asyncio.to_thread(render_chat, tok.chat_template, messages)
         except BadRequest:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the request's
             raise BadRequest(f"chat template failed on these messages: {e}", "messages") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        ids = list(tok.encode(text))
+        ids = await _encode(state, text, "messages")
         choices = _choices(state, body, [ids], None)
         return await _respond(state, body, choices, chat=True, http_request=request)
 
@@ -172,20 +226,40 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # ------------------------------------------------------------------------------------------ requests
-def _prompts(state: ServerState, prompt) -> list[list[int]]:
+def _check_text_fits(state: ServerState, num_chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a text too long to fit max_model_len whatever its tokens (each token stands
+    for at most `max_token_bytes` bytes, and a character for at least one)."""
+    per_token = state.tokenizer.max_token_bytes if state.tokenizer else None
+    max_len = state.front.validator.ecfg.max_model_len
+    if per_token and num_chars > max_len * per_token:
+        raise BadRequest(f"{param}: {num_chars} characters are more tokens than max_model_len {max_len} holds "
+                         f"(a token of this model covers at most {per_token} bytes)", param)
+
+
+async def _encode(state: ServerState, text: str, param: str) -> list[int]:
+    """The token ids of a text, tokenized in a worker thread (the tokenizer releases the GIL), so a long prompt
+    never stalls the event loop; a text that cannot fit, or is not valid Unicode, is refused first."""
+    if state.tokenizer is None:
+        raise BadRequest(f"model {state.model_name} has no tokenizer; send token ids as the prompt", param)
+    _check_text_fits(state, len(text), param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON escapes can carry
+        raise BadRequest(f"{param} is not valid Unicode: {e.reason} at character {e.start}", param) from None
+    ids = await asyncio.to_thread(state.tokenizer.encode, text)
+    max_len = state.front.validator.ecfg.max_model_len
+    if len(ids) >= max_len:  # said before any per-token work on the event loop
+        raise BadRequest(f"prompt of {len(ids)} tokens leaves no room under max_model_len {max_len}", param)
+    return ids
+
+
+async def _prompts(state: ServerState, prompt) -> list[list[int]]:
     """The token ids of each prompt of a completion request (text needs the model's tokenizer)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise BadRequest("prompt is empty", "prompt")
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            if state.tokenizer is None:
-                raise BadRequest(f"model {state.model_name} has no tokenizer; send token ids as the prompt", "prompt")
-            p = list(state.tokenizer.encode(p))
-        out.append([int(t) for t in p])
-    return out
+    return [await _encode(state, p, "prompt") if isinstance(p, str) else [int(t) for t in p] for p in prompt]
 
 
 def _check(state: ServerState, ids: list[int], sp: SamplingParams) -> None:
@@ -204,8 +278,12 @@ def _choices(state: ServerState, body: SamplingFields, prompts: list[list[int]],
     decode = state.tokenizer.decode if state.tokenizer else None
     choices = []
     for p, ids in enumerate(prompts):
+        room = max(1, max_len - len(ids))
+        if body.max_tokens is not None and len(ids) < max_len < len(ids) + body.max_tokens:  # vLLM's rule
+            raise BadRequest(f"this model's maximum context length is {max_len} tokens; the prompt has "
+                             f"{len(ids)} and max_tokens asks for {body.max_tokens} more", "max_tokens")
         for j in range(body.n):
-            sp = body.sampling_params(j, default_max_tokens or max(1, max_len - len(ids)))
+            sp = body.sampling_params(j, min(default_max_tokens or room, room))
             _check(state, ids, sp)
             choices.append(_Choice(p * body.n + j, ids, sp, TextStream(decode, body.stop_strings)))
     return choices
@@ -239,6 +317,8 @@ async def _generate(state: ServerState, ids: list[int], sp: SamplingParams, hand
         raise BadRequest(str(e), status=429, kind="rate_limit_error") from None
     except EngineDead as e:
         raise BadRequest(str(e), status=503, kind="server_error") from None
+    except RequestTimedOut as e:
+        raise BadRequest(str(e), status=408, kind="timeout_error") from None
 
 
 async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
@@ -274,16 +354,17 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
     created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
     if not body.stream:
         tasks = [asyncio.create_task(_run_choice(state, c)) for c in choices]
-        everything = asyncio.gather(*tasks)
         try:
-            while not everything.done():
-                await asyncio.wait([everything], timeout=0.25)
-                if not everything.done() and http_request is not None and await http_request.is_disconnected():
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    t.result()  # a refused choice (429, 408, 502) raises its BadRequest here
+                if pending and http_request is not None and await http_request.is_disconnected():
+                    logger.info("%s: the client hung up; its %d choice(s) are aborted", rid, len(pending))
                     return Response(status_code=499)  # nobody reads it; every choice is aborted below
-            everything.result()  # a refused choice (429, 502) raises its BadRequest here
         finally:  # the client gone, a choice refused or the handler cancelled: every choice stops
-            for t in tasks:
-                t.cancel()
+            _cancel(tasks)
         failed = [c for c in choices if c.finish_reason == "error"]
         if failed:
             raise BadRequest(failed[0].error or "request failed", status=500, kind="server_error")
@@ -311,9 +392,8 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
     async def run(c: _Choice):
         try:
             await _run_choice(state, c, on_text)
-        except BadRequest as e:
-            c.finish_reason, c.error = "error", str(e)
-            await queue.put((c, "", []))
+        except BadRequest as e:  # the stream ends with an error event (what OpenAI's clients raise on)
+            await queue.put((c, e, []))
 
     def chunk(c: _Choice, text: str, token_ids: list[int], first: bool) -> str:
         if chat:
@@ -335,6 +415,9 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
             left = len(choices)
             while left:
                 c, text, token_ids = await queue.get()
+                if isinstance(text, BadRequest):
+                    yield f"data: {json.dumps(error_body(str(text), text.kind, text.param, str(text.status)))}\n\n"
+                    break
                 yield chunk(c, text, token_ids, c.index not in started)
                 started.add(c.index)
                 left -= c.finish_reason is not None
@@ -343,8 +426,14 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
                          "model": state.model_name, "choices": [], "usage": _usage(choices)}
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
-        finally:
-            for t in tasks:  # the client left: abort what runs
-                t.cancel()
+        finally:  # the client left, or an error ended the stream: abort what runs
+            _cancel(tasks)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks of a request's choices; what they end with is retrieved, so nothing is logged."""
+    for t in tasks:
+        t.cancel()
+        t.add_done_callback(lambda t: t.cancelled() or t.exception())

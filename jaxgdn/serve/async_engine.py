@@ -44,6 +44,10 @@ class Delta:
         return self.finish_reason is not None
 
 
+class RequestTimedOut(RuntimeError):
+    """A request ran past its timeout and was aborted."""
+
+
 class EngineDead(RuntimeError):
     """The engine thread stopped (shut down, or a step raised): no request can be served."""
 
@@ -136,7 +140,8 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int] | None, params: SamplingParams,
                        handoff: Handoff | None = None, timeout: float | None = None) -> AsyncIterator[Delta]:
         """The request's deltas as an async iterator, the last one finished. Leaving the iteration early
-        (client gone, task cancelled) or running past timeout seconds aborts the request."""
+        (client gone, task cancelled) aborts the request; running past timeout seconds aborts it too, yields
+        the tokens it made meanwhile (unfinished) and raises RequestTimedOut."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         handle = self.submit(prompt_token_ids, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
@@ -150,10 +155,14 @@ class AsyncEngine:
                     yield delta
         except TimeoutError:
             self.abort(handle)
+            produced: list[int] = []
             while not finished:  # the abort's last delta carries what was produced
                 delta = await deltas.get()
                 finished = delta.finished
-                yield delta
+                produced += delta.token_ids
+            if produced:
+                yield Delta(produced)
+            raise RequestTimedOut(f"the request ran past the server's --request-timeout of {timeout:g} s") from None
         finally:
             if not finished:
                 self.abort(handle)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.request import SamplingParams
+from ..engine.request import INT32_MAX, MAX_TEMPERATURE, SEED_RANGE, SamplingParams
 
 
 class BadRequest(ValueError):
@@ -35,13 +35,13 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -75,14 +75,14 @@ class SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             max_tokens=self.max_tokens or default_max_tokens,
-            seed=None if self.seed is None else self.seed + index,
+            seed=None if self.seed is None else (self.seed + index) % 2**64,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
         )
         try:
             sp.validate()
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+        except ValueError as e:  # the message starts with the field's name
+            raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
         return sp
 
 
