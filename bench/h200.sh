@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU tests, then the benchmark suite, on one H200 through the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
-#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform any \
-#     -d gpu_wheels fastapi uvicorn httpx prometheus-client jinja2          (the server's, for serve-http)
+#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+#     -d gpu_wheels fastapi uvicorn httptools                             (the server's, for serve-http)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
-#                                     serve-http decode prefill spec kernels pd; on two GPUs (device kind
+#                                     serve-http serve-c64 serve-c256 serve-pd-mtp decode prefill spec kernels pd;
+#                                     on two GPUs (device kind
 #                                     nvidia-h200-x2), not in the default list: tp-9b tp-27b
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
 # Results go to $OUT (the device tool brings them back), else bench/results; `python -m jaxgdn.bench table`
@@ -15,7 +16,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-c64 serve-c256 serve-pd-mtp decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -38,15 +39,22 @@ for step in $steps; do
     # the mixed workload users reported: 128 requests, prompts 256-1024, outputs 32-256
     serve-mixed) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 128 --input-len 256 1024 \
              --output-len 32 256 --max-num-seqs 64 --max-num-batched-tokens 8192 --out "$dest/serve-mixed_gpu_$stamp.json" ;;
-    # the server over HTTP against the engine in-process, both at 64 requests in flight
+    # the server over HTTP at 64 and at 256 requests in flight (serve-http-c64, -c256), the server's log
     serve-http)
-      python3 -m jaxgdn.serve --model qwen3.5-0.8b --port 8000 --log-level warning > "$dest/serve-http-server_$stamp.txt" 2>&1 &
+      python3 -m jaxgdn.serve --model qwen3.5-0.8b --port 8000 > "$dest/serve-http-server_$stamp.txt" 2>&1 &
       server=$!
-      for _ in $(seq 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
-      workload="--model qwen3.5-0.8b --num-prompts 1000 --input-len 256 1024 --output-len 32 512 --max-concurrency 64"
-      timeout 300 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 $workload --out "$dest/serve-http_gpu_$stamp.json"
-      kill $server
-      timeout 280 python3 -m jaxgdn.bench serve $workload --no-peer --out "$dest/serve-c64_gpu_$stamp.json" ;;
+      for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+      for c in 64 256; do
+        timeout 200 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b --num-prompts 1000 \
+          --max-concurrency $c --http-repeat 0 --out "$dest/serve-http-c${c}_gpu_$stamp.json"; done
+      kill $server ;;
+    # the same workloads in-process, each in a fresh process (cold and warm start-up, as `serve`)
+    serve-c64|serve-c256)
+      timeout 400 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --max-concurrency ${step#serve-c} \
+        --no-peer --out "$dest/${step}_gpu_$stamp.json" ;;
+    # PD + MTP K = 2 at the default configuration, both workers on the one GPU
+    serve-pd-mtp) timeout 500 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
+      --num-speculative-tokens 2 --no-peer --out "$dest/serve-pd-mtp_gpu_$stamp.json" ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" ;;
     prefill) timeout 300 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" ;;

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from .engine.compile_times import CompileTimes, startup_line
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
@@ -54,7 +55,11 @@ class LLM:
         if role != "both" and not self.config.pd:
             self.config = self.config.replace(pd=True)  # one side of a PD pair: no async scheduling
         self.role = role
+        t0 = time.perf_counter()
         self.model_config, params, self.tokenizer = load_model(model, self.config)
+        self.startup = {"weights_s": time.perf_counter() - t0}  # seconds per start-up phase (log_startup)
+        t1 = time.perf_counter()
+        plan_times = CompileTimes().__enter__()  # the plans compile each engine's largest program once
         if self.config.tensor_parallel_size > 1:  # each worker places its shards; no whole copy stays on a device
             params = jax.device_get(params)
         decode = self.tokenizer.decode if self.tokenizer else None
@@ -74,16 +79,22 @@ class LLM:
                                                 garbage_seed=garbage_seed, memory_share=share,
                                                 **place(self.config.prefill_device))
         if self.config.pd and role != "prefill":
+            # both workers on one device: the decode worker's plan leaves room for the prefill step's temporaries
+            reserved = self.prefill_worker.memory.step_peak if self.prefill_worker is not None and same else 0
             self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
-                                       decode=decode, **place(self.config.decode_device))
+                                       decode=decode, memory_reserved=reserved, **place(self.config.decode_device))
         elif not self.config.pd:
             self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
                                     garbage_seed=garbage_seed, decode=decode)
+        plan_times.__exit__()
+        self.startup |= {"plan_s": time.perf_counter() - t1, "plan": plan_times.summary()}
         for e in self.engines:
             logger.info(e.memory.describe(self.config))
         if self.config.precompile:
             self.precompile()
+        self.startup["total_s"] = time.perf_counter() - t0
+        logger.info(startup_line(self.startup))
 
     @property
     def engines(self) -> list[LLMEngine]:
@@ -95,9 +106,9 @@ class LLM:
         t0 = time.perf_counter()
         keys = {id(e): e.program_keys(sampled=e is not self.prefill_worker) for e in self.engines}
         total = sum(map(len, keys.values()))
-        with tqdm(total=total, desc="compile", unit="program", disable=not use_tqdm) as bar:
+        with tqdm(total=total, desc="compile", unit="program", disable=not use_tqdm) as bar, CompileTimes() as times:
             compiled = sum(e.precompile(bar.update, sampled=e is not self.prefill_worker) for e in self.engines)
-        logger.info("compiled %d step programs in %.1f s", compiled, time.perf_counter() - t0)
+        self.startup |= {"precompile_s": time.perf_counter() - t0, "programs": compiled, "precompile": times.summary()}
         return compiled
 
     @property

@@ -2,6 +2,8 @@
 largest step program's temporaries; a configuration that cannot hold one sequence fails at construction,
 naming the knobs; off the GPU the pool holds every slot at max_model_len."""
 
+import gc
+
 import pytest
 from helpers import small_config
 
@@ -58,3 +60,33 @@ def test_an_engine_plans_its_pool_from_the_device_memory_and_measures_its_larges
     monkeypatch.setattr(engine_module, "device_memory", lambda device=None: (64 << 20, 0))
     with pytest.raises(ValueError, match="Lower max_num_seqs, max_num_batched_tokens or max_model_len"):
         LLMEngine(params, CFG, ecfg(dtype="float32"))
+
+
+@pytest.mark.parametrize("role, limit_mib", [("both", 360), ("prefill", 200), ("decode", 200)])
+def test_pd_workers_plan_together_within_the_fraction(monkeypatch, role, limit_mib):
+    """PD + MTP (K = 2) with both workers on one device that reports 360 MiB (faked on the CPU; in use: the
+    live arrays): the plans' pools, live after construction, plus every worker's largest step temporaries stay
+    within gpu_memory_utilization of the device, each plan bound by the budget (not by max_num_seqs); the same
+    for a server's prefill or decode role alone."""
+    import jax
+
+    from jaxgdn.engine import memory
+    from jaxgdn.generate import default_checkpoint
+    from jaxgdn.llm import LLM
+
+    gc.collect()
+    others = sum(a.nbytes for a in jax.live_arrays())  # earlier tests' arrays are not on this fake device
+    live = lambda: sum(a.nbytes for a in jax.live_arrays()) - others  # noqa: E731
+    limit, fraction = limit_mib << 20, 0.9
+    monkeypatch.setattr(memory, "MARGIN_BYTES", 1 << 20)
+    monkeypatch.setattr(engine_module, "device_memory", lambda device=None: (limit, live()))
+    before = live()
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, num_speculative_tokens=2,
+                          pd=True, precompile=False, dtype="float32", gpu_memory_utilization=fraction)
+    llm = LLM(str(default_checkpoint()), config, role=role)
+    assert len(llm.engines) == (2 if role == "both" else 1)
+    for e in llm.engines:
+        assert e.memory.num_kv_pages < config.max_num_seqs * config.max_pages_per_seq + 1, e.memory
+        assert e.memory.step_peak > 0
+    used = live() - before + sum(e.memory.step_peak for e in llm.engines) + memory.MARGIN_BYTES
+    assert before + used <= fraction * limit, (before, used, [e.memory for e in llm.engines])

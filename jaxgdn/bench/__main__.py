@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     sv.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N")
     sv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
+    sv.add_argument("--pd", action="store_true", help="PD disaggregation: a prefill and a decode worker on one device")
     sv.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe (the bound)")
     sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")

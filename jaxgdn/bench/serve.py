@@ -58,42 +58,56 @@ def _percentiles(values: list[float]) -> dict:
 
 def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | None = None) -> dict:
     """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s; at most max_concurrency
-    in flight, a request arriving when it is admitted), stamping each output token when the host sees it.
-    Returns wall time, token counts and latency percentiles (ms)."""
+    in flight, a request arriving when it is admitted), stamping each output token when the host sees it. With
+    PD (llm.prefill_worker) a prompt goes to the prefill worker and its handoff to the decode worker, the two
+    stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
-    eng = llm.engine
+    eng, prefill = llm.engine, llm.prefill_worker
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1 / request_rate, len(requests)) if request_rate > 0 else np.zeros(len(requests))
     arrivals = np.cumsum(gaps) - gaps[0]
     pending = list(zip(arrivals, requests))
-    live: dict[int, tuple[float, list[float]]] = {}  # request id -> (arrival, token times)
+    live: dict[int, tuple[float, list[float]]] = {}  # request number -> (arrival, token times)
     done: dict[int, tuple[float, list[float]]] = {}
+    rid_of: dict[int, int] = {}  # request number -> its id in the (decode) engine
+    in_prefill: dict[int, int] = {}  # prefill worker's id -> request number
     t0 = time.perf_counter()
 
     def stamp(now: float) -> None:
-        for rid in list(live):
+        for i, rid in list(rid_of.items()):
             req = eng.requests[rid]
             tokens = req.output_token_ids
             n = len(tokens)
             while n and tokens[n - 1] == PLACEHOLDER_TOKEN:  # async scheduling: values still in flight
                 n -= 1
-            times = live[rid][1]
+            times = live[i][1]
             times += [now] * (n - len(times))
             if req.finish_reason is not None and n == len(tokens):
-                done[rid] = live.pop(rid)
+                done[rid] = live.pop(i)
+                del rid_of[i]
 
-    while pending or eng.has_unfinished:
+    busy = lambda: eng.has_unfinished or (prefill is not None and prefill.has_unfinished)  # noqa: E731
+    while pending or busy():
         now = time.perf_counter() - t0
         while pending and pending[0][0] <= now and len(live) < (max_concurrency or len(requests)):
             arrival, (prompt, max_tokens) = pending.pop(0)
-            rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-            live[rid] = (max(arrival, now), [])
+            i, sp = len(requests) - len(pending) - 1, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            if prefill is not None and len(prompt) > 1:
+                in_prefill[prefill.submit(prompt, sp)] = i
+            else:
+                rid_of[i] = eng.add_request(prompt, sp)
+            live[i] = (max(arrival, now), [])
+        if prefill is not None and prefill.has_unfinished:
+            prefill.step()
+            for h in prefill.pop_handoffs():
+                prefill.forget(h.request_id)
+                rid_of[in_prefill.pop(h.request_id)] = eng.submit(h)
         if eng.has_unfinished:
             eng.step()
-        elif live:
+        elif live and not in_prefill:
             eng.flush()  # async scheduling: the tokens of requests that all finished
-        elif pending:
+        elif pending and not busy():
             time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
         stamp(time.perf_counter() - t0)
     eng.run_until_done()  # async scheduling: the last launch's tokens
@@ -139,7 +153,7 @@ def engine_config(args):
                         num_speculative_tokens=args.num_speculative_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         decode_steps_per_launch=args.decode_steps_per_launch,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, pd=args.pd)
 
 
 def child_run(args) -> dict:
@@ -154,7 +168,7 @@ def child_run(args) -> dict:
     enable_compilation_cache(args.cache_dir)  # before any engine: its own call then keeps this directory
     llm = LLM(args.model, engine_config(args))
     startup = time.perf_counter() - t_start
-    out = {"startup_s": startup, "programs": sum(e.runner.num_programs for e in llm.engines),
+    out = {"startup_s": startup, "startup_phases": llm.startup, "programs": sum(e.runner.num_programs for e in llm.engines),
            "memory": llm.engine.memory.describe(llm.config)}
     if args.child == "startup":
         return out
@@ -166,7 +180,7 @@ def child_run(args) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     eng = llm.engine
-    batch = min(args.max_num_seqs, args.num_prompts)
+    batch = min(args.max_num_seqs, args.num_prompts, args.max_concurrency or args.num_prompts)  # the batch reached
     rates = (measured_matmul_tflops(args.matmul_size), measured_bandwidth_gbs(args.bandwidth_bytes))
     out["bound"] = bound_s(llm.model_config, eng.runner.params, requests, batch, *rates)
     out["warm"]["fraction_of_bound"] = out["bound"]["total_s"] / out["warm"]["wall_s"]
@@ -195,7 +209,7 @@ def _forwarded(args) -> list[str]:
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-             "--tensor-parallel-size", str(args.tensor_parallel_size),
+             "--tensor-parallel-size", str(args.tensor_parallel_size), *(["--pd"] if args.pd else []),
              "--matmul-size", str(args.matmul_size), "--bandwidth-bytes", str(args.bandwidth_bytes)]
     if args.decode_steps_per_launch is not None:
         flags += ["--decode-steps-per-launch", str(args.decode_steps_per_launch)]
@@ -252,7 +266,7 @@ def bench_serve(args) -> dict:
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
                "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
-                   "gpu_memory_utilization", "decode_steps_per_launch")},
+                   "gpu_memory_utilization", "decode_steps_per_launch", "pd")},
                "cold_process": cold, "warm_cache_startup": warm_start}
     args.save_partial(payload)
     w = cold["warm"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..engine.compile_times import startup_line
 from ..results import RESULTS_DIR
 
 
@@ -123,7 +124,9 @@ def serve_table(d: dict) -> list[str]:
                                      f"{d['warm_cache_startup']['startup_s']:.1f} s with it filled; `LLM(...)` to the cold "
                                      f"run's last token {c['cold']['from_process_start_s']:.1f} s; {c['programs']} step programs, "
                                      f"{c['compiles_after_startup']} compiled after start-up; the bound "
-                                     f"{c['bound']['total_s']:.2f} s ({c['warm']['fraction_of_bound']:.0%} of it reached warm)."]
+                                     f"{c['bound']['total_s']:.2f} s ({c['warm']['fraction_of_bound']:.0%} of it reached warm)."] + [
+        f"Start-up phases, {name}: {startup_line(r['startup_phases'])}."
+        for name, r in (("empty cache", c), ("cache filled", d["warm_cache_startup"])) if "startup_phases" in r]
 
 
 def _arrivals(d: dict) -> str:

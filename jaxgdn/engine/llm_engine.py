@@ -34,14 +34,15 @@ from .tensor_parallel import local_config
 class LLMEngine:
     """device: the JAX device of the engine's weights and state (None: JAX's default). mesh: with
     ecfg.tensor_parallel_size N > 1, the 1-D mesh of N devices (axis "tp") the weights and pools are split over
-    (None: the first N devices). memory_share: the part of
-    the memory budget left on the device this engine takes (a PD prefill worker beside its decode worker).
+    (None: the first N devices). memory_share: the part of the memory budget left on the device this engine
+    takes (a PD prefill worker beside its decode worker); memory_reserved: bytes other engines on the device
+    need beyond what they hold now (the decode worker plans around its prefill worker's step temporaries).
     input_impl: the input-assembly kernel; policy: the kernel policy (default `ecfg.kernel_policy` for the
     device's platform). garbage_seed: fill every state buffer with garbage (slot-hygiene tests)."""
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *, input_impl: str = "xla",
                  garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
-                 memory_share: float = 1.0, policy: KernelPolicy | None = None, mesh=None):
+                 memory_share: float = 1.0, memory_reserved: int = 0, policy: KernelPolicy | None = None, mesh=None):
         self.cfg, self.ecfg = cfg, ecfg
         self.K = ecfg.num_speculative_tokens
         if self.K and params.mtp is None:
@@ -70,7 +71,7 @@ class LLMEngine:
         # a shard's pools are its heads' share: the per-device plan is the local config's
         self.memory = plan_memory(self.step_cfg, ecfg, with_mtp, device_memory(self.device),
                                   lambda pages: self._step_peak(self.placement.abstract_state(lambda: new_state(pages))),
-                                  memory_share)
+                                  memory_share, memory_reserved)
         num_pages = self.memory.num_kv_pages
         if num_pages - 1 < ecfg.max_pages_per_seq:
             raise ValueError(

@@ -2,9 +2,11 @@
 
 An engine may use `gpu_memory_utilization` of the device's memory (a PD prefill worker sharing the device
 with its decode worker, `share` of what is left). From that budget come, in order: what is in use already
-(the weights), the GDN slot pools (fixed by max_num_seqs), the temporaries of the largest step program
-(measured: that program compiled on a minimal pool) and a margin; the KV pages get the rest, at most as many
-as every slot at max_model_len can use. A configuration whose budget cannot hold one sequence of
+(the weights), what other engines on the device hold back beyond it (`reserved`: the prefill worker's step
+temporaries, which are allocated only while its step runs), the GDN slot pools (fixed by max_num_seqs), the
+temporaries of the largest step program (measured: that program compiled on a minimal pool) and a margin;
+the KV pages get the rest, at most as many as every slot at max_model_len can use. Planned so, both PD
+workers' pools and step temporaries together stay within the fraction. A configuration whose budget cannot hold one sequence of
 max_model_len fails at construction, naming the knobs. Off the GPU (no memory limit reported) the pool holds
 every slot at max_model_len.
 """
@@ -54,6 +56,11 @@ class MemoryPlan:
     step_peak: int  # temporaries of the largest step program (0: not measured)
     budget: int | None  # bytes the engine may use beside what was in use (None: no device limit)
 
+    @property
+    def pool_bytes(self) -> int:
+        """The KV pages and GDN slots this plan allocates."""
+        return self.num_kv_pages * self.page_bytes + self.gdn_bytes
+
     def describe(self, ecfg: EngineConfig) -> str:
         pages = self.num_kv_pages - 1
         parts = [f"KV pages {pages} ({pages * ecfg.kv_page_size} tokens of context, "
@@ -65,9 +72,10 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, int] | None,
-                step_peak: Callable[[int], int], share: float = 1.0) -> MemoryPlan:
+                step_peak: Callable[[int], int], share: float = 1.0, reserved: int = 0) -> MemoryPlan:
     """The engine's KV page count (module docstring). memory: device_memory(); step_peak(num_pages): bytes of
-    the largest step program's temporaries, compiled on a pool of num_pages pages."""
+    the largest step program's temporaries, compiled on a pool of num_pages pages; reserved: bytes other
+    engines on the device need beyond what is in use."""
     page = kv_bytes_per_page(cfg, ecfg, with_mtp)
     gdn = gdn_slot_bytes(cfg, ecfg)
     every_slot = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
@@ -76,7 +84,7 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
     if memory is None:
         return MemoryPlan(every_slot, page, gdn, 0, None)
     limit, in_use = memory
-    budget = int(share * (ecfg.gpu_memory_utilization * limit - in_use))
+    budget = int(share * (ecfg.gpu_memory_utilization * limit - in_use - reserved))
     one_sequence = ecfg.max_pages_per_seq + 1
     peak = step_peak(one_sequence)
     pages = (budget - gdn - peak - MARGIN_BYTES) // max(page, 1)
@@ -84,7 +92,8 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
         raise ValueError(
             f"EngineConfig: the memory budget of {budget / GiB:.2f} GiB (gpu_memory_utilization "
             f"{ecfg.gpu_memory_utilization} of the device's {limit / GiB:.1f} GiB, less {in_use / GiB:.2f} GiB in "
-            f"use{'' if share == 1 else f', times the share {share}'}) leaves {max(pages, 0)} KV pages after the GDN "
+            f"use{f' and {reserved / GiB:.2f} GiB for the other PD worker' if reserved else ''}"
+            f"{'' if share == 1 else f', times the share {share}'}) leaves {max(pages, 0)} KV pages after the GDN "
             f"slots ({gdn / GiB:.2f} GiB for max_num_seqs {ecfg.max_num_seqs}) and the largest step program "
             f"({peak / GiB:.2f} GiB for max_num_batched_tokens {ecfg.max_num_batched_tokens}); one sequence of "
             f"max_model_len {ecfg.max_model_len} needs {one_sequence}. Lower max_num_seqs, max_num_batched_tokens "

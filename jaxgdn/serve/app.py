@@ -335,7 +335,7 @@ async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
                 c.finish_reason, c.error = delta.finish_reason, delta.error
             if text or delta.token_ids or c.finish_reason:
                 if on_text is not None:
-                    await on_text(c, text, delta.token_ids)
+                    on_text(c, text, delta.token_ids)
             if c.finish_reason:
                 break
     finally:
@@ -384,25 +384,25 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
         raise BadRequest("the engine is not running", status=503, kind="server_error")
     if state.front.full:
         raise BadRequest("the server is full; try again later", status=429, kind="rate_limit_error")
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue()  # (choice, text or the BadRequest that ends the stream, ids, reason)
 
-    async def on_text(c: _Choice, text: str, token_ids: list[int]):
-        await queue.put((c, text, token_ids))
+    def on_text(c: _Choice, text: str, token_ids: list[int]):
+        queue.put_nowait((c, text, token_ids, c.finish_reason))
 
     async def run(c: _Choice):
         try:
             await _run_choice(state, c, on_text)
         except BadRequest as e:  # the stream ends with an error event (what OpenAI's clients raise on)
-            await queue.put((c, e, []))
+            queue.put_nowait((c, e, [], None))
 
-    def chunk(c: _Choice, text: str, token_ids: list[int], first: bool) -> str:
+    def chunk(c: _Choice, text: str, token_ids: list[int], finish_reason: str | None, first: bool) -> str:
         if chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text})
             item = {"index": c.index, "delta": delta}
         else:
             item = {"index": c.index, "text": text, "logprobs": None}
-        item |= {"finish_reason": c.finish_reason, "token_ids": token_ids}
-        if c.error:
+        item |= {"finish_reason": finish_reason, "token_ids": token_ids}
+        if finish_reason and c.error:
             item["error"] = c.error
         obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                "model": state.model_name, "choices": [item]}
@@ -414,13 +414,19 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
         try:
             left = len(choices)
             while left:
-                c, text, token_ids = await queue.get()
-                if isinstance(text, BadRequest):
-                    yield f"data: {json.dumps(error_body(str(text), text.kind, text.param, str(text.status)))}\n\n"
-                    break
-                yield chunk(c, text, token_ids, c.index not in started)
-                started.add(c.index)
-                left -= c.finish_reason is not None
+                items = [await queue.get()]
+                while not queue.empty():  # everything that is ready goes out in one write
+                    items.append(queue.get_nowait())
+                out = []
+                for c, text, token_ids, finish_reason in items:
+                    if isinstance(text, BadRequest):
+                        out.append(f"data: {json.dumps(error_body(str(text), text.kind, text.param, str(text.status)))}\n\n")
+                        left = 0
+                        break
+                    out.append(chunk(c, text, token_ids, finish_reason, c.index not in started))
+                    started.add(c.index)
+                    left -= finish_reason is not None
+                yield "".join(out)
             if body.stream_options and body.stream_options.include_usage:
                 usage = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                          "model": state.model_name, "choices": [], "usage": _usage(choices)}

@@ -43,6 +43,10 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: "Delta") -> "Delta":
+        """This delta followed by a later one of the same request, as one."""
+        return Delta(self.token_ids + later.token_ids, later.finish_reason, later.error, later.handoff, later.output)
+
 
 class RequestTimedOut(RuntimeError):
     """A request ran past its timeout and was aborted."""
@@ -54,7 +58,12 @@ class EngineDead(RuntimeError):
 
 @dataclasses.dataclass(eq=False)
 class _Stream:
-    sink: Callable[[Delta], None]
+    """A request's consumer: a callback run on the engine thread (sink), or an asyncio queue of an event loop,
+    filled by one call on that loop per step for all of the loop's requests."""
+
+    sink: Callable[[Delta], None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
     engine: LLMEngine | None = None  # where the request is now (a PD request moves from prefill to decode)
     rid: int = -1
     sent: int = 0  # output tokens already pushed
@@ -109,6 +118,9 @@ class AsyncEngine:
                handoff: Handoff | None = None) -> int:
         """Queue a request (token ids, or a prefilled Handoff for a decode role); sink gets its deltas on the
         engine thread. Returns a handle for abort(). Raises EngineFull or EngineDead instead of queueing."""
+        return self._submit(prompt_token_ids, params, _Stream(sink), handoff)
+
+    def _submit(self, prompt_token_ids, params, stream: _Stream, handoff) -> int:
         if not self.alive or self.closing:
             raise EngineDead(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
         with self._lock:
@@ -116,7 +128,7 @@ class AsyncEngine:
                 raise EngineFull(f"{self._pending} requests in the server; try again later")
             self._pending += 1
         handle = next(self._ids)
-        self._inbox.put(("add", handle, _Stream(sink), prompt_token_ids, params, handoff))
+        self._inbox.put(("add", handle, stream, prompt_token_ids, params, handoff))
         return handle
 
     @property
@@ -142,15 +154,15 @@ class AsyncEngine:
         """The request's deltas as an async iterator, the last one finished. Leaving the iteration early
         (client gone, task cancelled) aborts the request; running past timeout seconds aborts it too, yields
         the tokens it made meanwhile (unfinished) and raises RequestTimedOut."""
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        handle = self.submit(prompt_token_ids, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
-                             handoff)
+        handle = self._submit(prompt_token_ids, params, _Stream(loop=asyncio.get_running_loop(), queue=deltas), handoff)
         finished = False
         try:
             async with asyncio.timeout(timeout):
                 while not finished:
                     delta = await deltas.get()
+                    while not delta.finished and not deltas.empty():  # what piled up while the consumer was busy
+                        delta = delta.then(deltas.get_nowait())
                     finished = delta.finished
                     yield delta
         except TimeoutError:
@@ -265,8 +277,10 @@ class AsyncEngine:
             self.engine.step()
 
     def _emit(self) -> None:
-        """Push every live request's new tokens; the last delta of the requests that finished."""
+        """Push every live request's new tokens; the last delta of the requests that finished. An event loop's
+        requests get theirs in one call on that loop (one wake-up a step, not one a request)."""
         now, produced = time.perf_counter(), 0
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for handle, s in list(self._streams.items()):
             req = s.engine.requests[s.rid]
             out, end = req.output_token_ids, s.sent
@@ -280,9 +294,11 @@ class AsyncEngine:
                 output = s.engine.output(s.rid)
                 s.engine.forget(s.rid)
                 self._finished(req.finish_reason)
-                self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output))
+                self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output), batches)
             elif new:
-                self._safe_sink(s, Delta(new))
+                self._safe_sink(s, Delta(new), batches)
+        for loop, items in batches.items():
+            _call_on(loop, _fill_queues, items)
         self.counters["generation_tokens"] += produced
         if produced:
             self._recent.append((now, produced))
@@ -293,7 +309,13 @@ class AsyncEngine:
             self._pending -= 1
 
     @staticmethod
-    def _safe_sink(s: _Stream, delta: Delta) -> None:
+    def _safe_sink(s: _Stream, delta: Delta, batches: dict | None = None) -> None:
+        if s.queue is not None:
+            if batches is None:
+                _call_on(s.loop, s.queue.put_nowait, delta)
+            else:
+                batches.setdefault(s.loop, []).append((s.queue, delta))
+            return
         try:
             s.sink(delta)
         except Exception:  # noqa: BLE001 - one client's callback never stops the engine
@@ -316,6 +338,18 @@ class AsyncEngine:
             "num_steps": sum(e.num_steps for e in self.engines),
             "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
         }
+
+
+def _fill_queues(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the loop is closed: nobody waits for these deltas any more
+        pass
 
 
 class EngineFull(RuntimeError):

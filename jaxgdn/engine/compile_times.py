@@ -1,0 +1,68 @@
+"""Where start-up's time goes: JAX's own monitoring events (tracing, lowering, compiling, loading from the
+persistent compilation cache) summed over every program built while a `CompileTimes` is entered."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+# JAX's event names (jax/_src/dispatch.py, compiler.py); "compile" includes a cache load, which is taken out
+_DURATIONS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load_s",
+}
+_COUNTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
+
+
+class CompileTimes:
+    """with CompileTimes() as t: ... -> t.totals: seconds of tracing, lowering, compiling and cache loading
+    (summed over programs, so concurrent compiles add up to more than the wall time) and cache hits/misses."""
+
+    def __init__(self):
+        self.totals: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()  # compiles finish on a pool of threads
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event in _DURATIONS:
+            with self._lock:
+                self.totals[_DURATIONS[event]] += seconds
+
+    def _event(self, event: str, **_) -> None:
+        if event in _COUNTS:
+            with self._lock:
+                self.totals[_COUNTS[event]] += 1
+
+    def __enter__(self) -> "CompileTimes":
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
+
+    def summary(self) -> dict:
+        """{trace_s, lower_s, compile_s (without cache loads), cache_load_s, cache_hits, cache_misses}."""
+        t = self.totals
+        return {"trace_s": t["trace_s"], "lower_s": t["lower_s"], "compile_s": max(0.0, t["compile_s"] - t["cache_load_s"]),
+                "cache_load_s": t["cache_load_s"], "cache_hits": t["cache_hits"], "cache_misses": t["cache_misses"]}
+
+
+def startup_line(phases: dict) -> str:
+    """One log line of LLM.startup: each phase's wall seconds, and the compile work inside them."""
+    def work(t: dict) -> str:
+        return (f"tracing {t['trace_s']:.1f} s, lowering {t['lower_s']:.1f} s, compiling {t['compile_s']:.1f} s, "
+                f"cache loads {t['cache_load_s']:.1f} s ({t['cache_hits']} hits, {t['cache_misses']} misses)")
+
+    line = (f"start-up {phases.get('total_s', 0):.1f} s: weights {phases['weights_s']:.1f} s, memory plan "
+            f"{phases['plan_s']:.1f} s ({work(phases['plan'])})")
+    if "precompile_s" in phases:
+        line += (f", {phases['programs']} step programs {phases['precompile_s']:.1f} s ({work(phases['precompile'])}; "
+                 f"compiles run on several threads)")
+    return line
