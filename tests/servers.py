@@ -101,3 +101,13 @@ def drained(front, timeout: float = 10.0) -> dict:
             return snap
         time.sleep(0.02)
 
+
+
+async def hang_up_after(stream, chunks: int) -> None:
+    """Read `chunks` chunks of an openai client's stream, then hang up."""
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == chunks:
+            break
+    await stream.close()

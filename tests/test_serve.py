@@ -15,7 +15,7 @@ import warnings
 import httpx
 import openai
 import pytest
-from servers import drained, serve_in_thread
+from servers import drained, hang_up_after, serve_in_thread
 from openai import AsyncOpenAI, OpenAI
 
 from jaxgdn import task
@@ -139,14 +139,8 @@ def test_200_requests_from_32_clients_some_aborted_lose_nothing(server, referenc
             while not queue.empty():
                 i, prompt, max_tokens, hang_up = queue.get_nowait()
                 if hang_up:
-                    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
-                                                             temperature=0, stream=True)
-                    n = 0
-                    async for _ in stream:
-                        n += 1
-                        if n == 3:
-                            break
-                    await stream.close()
+                    await hang_up_after(await client.completions.create(
+                        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True), 3)
                     results[i] = None
                 else:
                     r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,

@@ -22,7 +22,8 @@ from ..model.policy import KernelPolicy
 from .config import EngineConfig
 from .memory import device_memory, plan_memory
 from .programs import ProgramSet, StepShape
-from .request import PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams
+from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams,
+                      validate_request)
 from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state
@@ -153,18 +154,7 @@ class LLMEngine:
 
     def validate(self, ids: list[int], params: SamplingParams) -> str | None:
         """The error message for a bad request, or None."""
-        if not ids:
-            return "empty prompt"
-        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.cfg.vocab_size)]
-        if bad:
-            return f"token id(s) outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}"
-        if len(ids) >= self.ecfg.max_model_len:
-            return f"prompt of {len(ids)} tokens leaves no room under max_model_len {self.ecfg.max_model_len}"
-        try:
-            params.validate()
-        except ValueError as e:
-            return str(e)
-        return None
+        return validate_request(ids, params, self.cfg.vocab_size, self.ecfg.max_model_len)
 
     def abort_request(self, rid: int) -> None:
         """Finish a waiting or running request now (finish_reason "abort"); its pages and slot are free for the

@@ -73,6 +73,22 @@ class SamplingParams:
         return s & 0xFFFFFFFF, s >> 32
 
 
+def validate_request(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
+    """The error message for a bad request (empty, ids outside the vocabulary, too long, bad parameters), or None."""
+    if not ids:
+        return "empty prompt"
+    bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
+    if bad:
+        return f"token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    if len(ids) >= max_model_len:
+        return f"prompt of {len(ids)} tokens leaves no room under max_model_len {max_model_len}"
+    try:
+        params.validate()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @dataclasses.dataclass
 class RequestMetrics:
     arrival_time: float

@@ -50,10 +50,10 @@ def parse_args(argv=None):
 
 def build_state(args):
     """The engine(s) the role needs (every step program compiled unless --precompile off), started behind an
-    AsyncEngine, and the app's ServerState."""
-    from ..llm import LLM
+    AsyncEngine, and the app's ServerState. Role "both" runs its engine in a process of its own
+    (`engine_process`), so HTTP work never competes with it for the GIL; a PD role steps its worker in a
+    thread of the server."""
     from .app import ServerState
-    from .async_engine import AsyncEngine
 
     model = args.model
     if model is None:
@@ -62,10 +62,22 @@ def build_state(args):
         model = default_checkpoint()
         if model is None:
             raise ValueError("no --model given and no checkpoint shipped in checkpoints/")
-    llm = LLM(str(model), engine_config(args), input_impl=args.input_impl, role=args.role)
-    front = AsyncEngine(llm.engine, llm.prefill_worker, max_waiting=args.max_waiting).start()
+    if args.role == "both":
+        from ..model.config import PRESETS
+        from ..model.tokenizer import load_tokenizer
+        from .engine_process import EngineClient
+
+        front = EngineClient(str(model), engine_config(args), input_impl=args.input_impl,
+                             max_waiting=args.max_waiting, log_level=args.log_level)
+        tokenizer = None if str(model) in PRESETS else load_tokenizer(model)
+    else:
+        from ..llm import LLM
+        from .async_engine import AsyncEngine
+
+        llm = LLM(str(model), engine_config(args), input_impl=args.input_impl, role=args.role)
+        front, tokenizer = AsyncEngine(llm.engine, llm.prefill_worker, max_waiting=args.max_waiting).start(), llm.tokenizer
     return ServerState(front=front, model_name=args.served_model_name or Path(str(model)).name,
-                       tokenizer=llm.tokenizer, role=args.role,
+                       tokenizer=tokenizer, role=args.role,
                        prefill_url=args.prefill_url if args.role == "decode" else None,
                        request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes)
 
@@ -84,7 +96,7 @@ def main(argv=None) -> int:
 
     try:
         state = build_state(args)
-    except (CheckpointError, ConfigError, ValueError) as e:
+    except (CheckpointError, ConfigError, ValueError, RuntimeError) as e:
         print(f"jaxgdn.serve: {e}", file=sys.stderr)
         return 2
     logging.getLogger("jaxgdn.serve").info("serving %s (role %s) on http://%s:%d", state.model_name, args.role,

@@ -72,15 +72,16 @@ class _Stream:
 class AsyncEngine:
     """prefill: a PrefillWorker (PD in one process with `engine` a DecodeWorker; a prefill role alone);
     engine: an LLMEngine or DecodeWorker. max_waiting: requests queued beyond the running ones before
-    `submit` refuses more (EngineFull)."""
+    `submit` refuses more (EngineFull). on_emit: called on the engine thread after each step's deltas."""
 
     def __init__(self, engine: LLMEngine | None = None, prefill: PrefillWorker | None = None, *,
-                 max_waiting: int = 4096):
+                 max_waiting: int = 4096, on_emit: Callable[[], None] | None = None):
         if engine is None and prefill is None:
             raise ValueError("AsyncEngine needs an engine, a prefill worker, or both")
         if prefill is not None and engine is not None and not isinstance(engine, DecodeWorker):
             raise ValueError("PD in one process needs a DecodeWorker beside the PrefillWorker")
         self.engine, self.prefill, self.max_waiting = engine, prefill, max_waiting
+        self.on_emit = on_emit  # called on the engine thread after each step's deltas went out
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}  # the live requests, by handle
         self._ids = itertools.count()
@@ -156,28 +157,12 @@ class AsyncEngine:
         the tokens it made meanwhile (unfinished) and raises RequestTimedOut."""
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         handle = self._submit(prompt_token_ids, params, _Stream(loop=asyncio.get_running_loop(), queue=deltas), handoff)
-        finished = False
+        stream = stream_deltas(deltas, lambda: self.abort(handle), timeout)
         try:
-            async with asyncio.timeout(timeout):
-                while not finished:
-                    delta = await deltas.get()
-                    while not delta.finished and not deltas.empty():  # what piled up while the consumer was busy
-                        delta = delta.then(deltas.get_nowait())
-                    finished = delta.finished
-                    yield delta
-        except TimeoutError:
-            self.abort(handle)
-            produced: list[int] = []
-            while not finished:  # the abort's last delta carries what was produced
-                delta = await deltas.get()
-                finished = delta.finished
-                produced += delta.token_ids
-            if produced:
-                yield Delta(produced)
-            raise RequestTimedOut(f"the request ran past the server's --request-timeout of {timeout:g} s") from None
-        finally:
-            if not finished:
-                self.abort(handle)
+            async for delta in stream:
+                yield delta
+        finally:  # closed early: the abort goes out now, not when the inner generator is collected
+            await stream.aclose()
 
     # ------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -299,6 +284,8 @@ class AsyncEngine:
                 self._safe_sink(s, Delta(new), batches)
         for loop, items in batches.items():
             _call_on(loop, _fill_queues, items)
+        if self.on_emit is not None:
+            self.on_emit()
         self.counters["generation_tokens"] += produced
         if produced:
             self._recent.append((now, produced))
@@ -338,6 +325,34 @@ class AsyncEngine:
             "num_steps": sum(e.num_steps for e in self.engines),
             "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
         }
+
+
+async def stream_deltas(deltas: asyncio.Queue, abort: Callable[[], None], timeout: float | None) -> AsyncIterator[Delta]:
+    """A request's deltas from the queue its engine fills, the last one finished; what piled up while the
+    consumer was busy comes as one delta. Leaving early calls abort(); past timeout seconds it aborts, yields
+    the tokens made meanwhile (unfinished) and raises RequestTimedOut."""
+    finished = False
+    try:
+        async with asyncio.timeout(timeout):
+            while not finished:
+                delta = await deltas.get()
+                while not delta.finished and not deltas.empty():
+                    delta = delta.then(deltas.get_nowait())
+                finished = delta.finished
+                yield delta
+    except TimeoutError:
+        abort()
+        produced: list[int] = []
+        while not finished:  # the abort's last delta carries what was produced
+            delta = await deltas.get()
+            finished = delta.finished
+            produced += delta.token_ids
+        if produced:
+            yield Delta(produced)
+        raise RequestTimedOut(f"the request ran past the server's --request-timeout of {timeout:g} s") from None
+    finally:
+        if not finished:
+            abort()
 
 
 def _fill_queues(items: list[tuple[asyncio.Queue, Delta]]) -> None:
