@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .engine.config import (
     ASYNC_SCHEDULING_CHOICES,
@@ -84,7 +85,17 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         "fused_decode_kernels": not args.no_fused_decode_kernels, "library_gemms_min_tokens": args.library_gemms_min_tokens,
         "precompile": args.precompile != "off", "tensor_parallel_size": args.tensor_parallel_size,
     }
-    return EngineConfig(**{**fields, **overrides})
+    config = EngineConfig(**{**fields, **overrides})
+    use_memory_fraction(config.gpu_memory_utilization)
+    return config
+
+
+def use_memory_fraction(fraction: float) -> None:
+    """Let JAX's allocator take `fraction` of each GPU (its default is 75%), so --gpu-memory-utilization means
+    a fraction of the GPU's memory, as in vLLM; a fraction the user set in the environment stands. Takes
+    effect if no GPU was used yet in this process (and in the processes it starts)."""
+    if not (os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
+        os.environ["XLA_CLIENT_MEM_FRACTION"] = str(fraction)
 
 
 def add_distributed_args(ap: argparse.ArgumentParser) -> None:

@@ -147,7 +147,9 @@ def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_g
 
 def engine_config(args):
     from ..engine.config import EngineConfig
+    from ..engine_args import use_memory_fraction
 
+    use_memory_fraction(args.gpu_memory_utilization)
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         num_speculative_tokens=args.num_speculative_tokens,

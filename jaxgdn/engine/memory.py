@@ -1,14 +1,15 @@
 """Memory planned up front, like vLLM's gpu_memory_utilization.
 
-An engine may use `gpu_memory_utilization` of the device's memory (a PD prefill worker sharing the device
-with its decode worker, `share` of what is left). From that budget come, in order: what is in use already
-(the weights), what other engines on the device hold back beyond it (`reserved`: the prefill worker's step
-temporaries, which are allocated only while its step runs), the GDN slot pools (fixed by max_num_seqs), the
-temporaries of the largest step program (measured: that program compiled on a minimal pool) and a margin;
-the KV pages get the rest, at most as many as every slot at max_model_len can use. Planned so, both PD
-workers' pools and step temporaries together stay within the fraction. A configuration whose budget cannot hold one sequence of
-max_model_len fails at construction, naming the knobs. Off the GPU (no memory limit reported) the pool holds
-every slot at max_model_len.
+An engine may use `gpu_memory_utilization` of the device's memory, at most JAX's allocator's limit (75% of a
+GPU unless XLA_CLIENT_MEM_FRACTION says otherwise; the command lines set it from the knob); a PD prefill
+worker sharing the device with its decode worker takes `share` of what is left. From that budget come, in
+order: what is in use already (the weights), what other engines on the device hold back beyond it
+(`reserved`: the prefill worker's step temporaries, which are allocated only while its step runs), the GDN
+slot pools (fixed by max_num_seqs), the temporaries of the largest step program (measured: that program
+compiled on a minimal pool) and a margin; the KV pages get the rest, at most as many as every slot at
+max_model_len can use. Planned so, both PD workers' pools and step temporaries together stay within the
+fraction. A configuration whose budget cannot hold one sequence of max_model_len fails at construction,
+naming the knobs. Off the GPU (no memory limit reported) the pool holds every slot at max_model_len.
 """
 
 from __future__ import annotations
@@ -40,12 +41,27 @@ def gdn_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     return ecfg.num_slots * len(cfg.gdn_layer_ids) * (conv + ssm)
 
 
-def device_memory(device=None) -> tuple[int, int] | None:
-    """(bytes_limit, bytes_in_use) of the device (default: JAX's first), or None where it reports no limit."""
+JAX_DEFAULT_MEMORY_FRACTION = 0.75  # of the GPU's memory, JAX's allocator's limit unless XLA_CLIENT_MEM_FRACTION says
+
+
+def allocator_fraction() -> float:
+    """The fraction of a GPU's memory JAX's allocator may take, as JAX reads it from its environment."""
+    try:
+        from jaxlib import xla_client
+
+        return float(xla_client.generate_pjrt_gpu_plugin_options().get("memory_fraction", JAX_DEFAULT_MEMORY_FRACTION))
+    except (ImportError, AttributeError, ValueError):
+        return JAX_DEFAULT_MEMORY_FRACTION
+
+
+def device_memory(device=None) -> tuple[int, int, int] | None:
+    """(the device's memory, bytes in use, JAX's allocator's limit) of the device (default: JAX's first), or
+    None where it reports no limit. The device's memory is the allocator's limit over its fraction."""
     stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
-    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    limit = int(stats["bytes_limit"])
+    return int(limit / allocator_fraction()), int(stats.get("bytes_in_use", 0)), limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +87,13 @@ class MemoryPlan:
         return "memory: " + ", ".join(parts)
 
 
-def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, int] | None,
+def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, ...] | None,
                 step_peak: Callable[[int], int], share: float = 1.0, reserved: int = 0) -> MemoryPlan:
-    """The engine's KV page count (module docstring). memory: device_memory(); step_peak(num_pages): bytes of
-    the largest step program's temporaries, compiled on a pool of num_pages pages; reserved: bytes other
-    engines on the device need beyond what is in use."""
+    """The engine's KV page count (module docstring). memory: (the device's bytes, bytes in use[, the
+    allocator's limit]) as device_memory() gives them; gpu_memory_utilization is a fraction of the device's
+    bytes, capped at the allocator's limit. step_peak(num_pages): bytes of the largest step program's
+    temporaries, compiled on a pool of num_pages pages; reserved: bytes other engines on the device need
+    beyond what is in use."""
     page = kv_bytes_per_page(cfg, ecfg, with_mtp)
     gdn = gdn_slot_bytes(cfg, ecfg)
     every_slot = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
@@ -83,15 +101,18 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
         return MemoryPlan(ecfg.num_kv_pages, page, gdn, 0, None)
     if memory is None:
         return MemoryPlan(every_slot, page, gdn, 0, None)
-    limit, in_use = memory
-    budget = int(share * (ecfg.gpu_memory_utilization * limit - in_use - reserved))
+    total, in_use, cap = (*memory, memory[0])[:3]
+    usable = min(ecfg.gpu_memory_utilization * total, cap)
+    budget = int(share * (usable - in_use - reserved))
     one_sequence = ecfg.max_pages_per_seq + 1
     peak = step_peak(one_sequence)
     pages = (budget - gdn - peak - MARGIN_BYTES) // max(page, 1)
     if pages < one_sequence:
         raise ValueError(
             f"EngineConfig: the memory budget of {budget / GiB:.2f} GiB (gpu_memory_utilization "
-            f"{ecfg.gpu_memory_utilization} of the device's {limit / GiB:.1f} GiB, less {in_use / GiB:.2f} GiB in "
+            f"{ecfg.gpu_memory_utilization} of the device's {total / GiB:.1f} GiB"
+            f"{f' capped at JAX allocator limit {cap / GiB:.1f} GiB' if cap < ecfg.gpu_memory_utilization * total else ''}"
+            f", less {in_use / GiB:.2f} GiB in "
             f"use{f' and {reserved / GiB:.2f} GiB for the other PD worker' if reserved else ''}"
             f"{'' if share == 1 else f', times the share {share}'}) leaves {max(pages, 0)} KV pages after the GDN "
             f"slots ({gdn / GiB:.2f} GiB for max_num_seqs {ecfg.max_num_seqs}) and the largest step program "

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +26,7 @@ from ..engine.pd import Handoff
 from ..engine.request import SamplingParams
 from ..model.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDead, EngineFull, RequestTimedOut
+from .inputs import BodyLimit, check_text_fits, default_max_request_bytes, encode_text, prompt_ids
 from .metrics import prometheus_text
 from .protocol import BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_body
 from .text import TextStream, render_chat
@@ -50,48 +51,14 @@ class ServerState:
     max_request_bytes: int | None = None
     http: object = None  # httpx.AsyncClient of a decode role with a prefill_url
 
+    @property
+    def max_model_len(self) -> int:
+        return self.front.validator.ecfg.max_model_len
+
     def body_limit(self) -> int:
         if self.max_request_bytes is not None:
             return self.max_request_bytes
-        per_token = self.tokenizer.max_token_bytes if self.tokenizer else None
-        return default_max_request_bytes(self.front.validator.ecfg.max_model_len, per_token)
-
-
-def default_max_request_bytes(max_model_len: int, max_token_bytes: int | None) -> int:
-    """Room for a batch of 16 prompts of max_model_len tokens as JSON (with escapes), at least 1 MiB: parsing
-    a body holds the event loop, so one far beyond what can fit is refused unread."""
-    return max(1 << 20, 16 * max_model_len * max(max_token_bytes or 0, 16))
-
-
-class BodyLimit:
-    """ASGI middleware: a request body past `limit()` bytes gets 413 in OpenAI's shape before anything parses
-    it (a Content-Length over it at once, else as soon as that many bytes arrived). Handoff bytes are exempt."""
-
-    def __init__(self, app, limit: Callable[[], int], exempt: tuple[str, ...] = ("/v1/handoff",)):
-        self.app, self.limit, self.exempt = app, limit, exempt
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.exempt:
-            return await self.app(scope, receive, send)
-        limit = self.limit()
-        too_large = f"request body larger than {limit} bytes (the server's --max-request-bytes)"
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            body = json.dumps(error_body(too_large)).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            return await send({"type": "http.response.body", "body": body})
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > limit:  # the route's body read raises it; the HTTPException handler answers
-                raise HTTPException(413, too_large)
-            return message
-
-        await self.app(scope, counted, send)
+        return default_max_request_bytes(self.max_model_len, self.tokenizer.max_token_bytes if self.tokenizer else None)
 
 
 @dataclasses.dataclass
@@ -199,7 +166,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompts = await _prompts(state, body.prompt)
+        prompts = await prompt_ids(state.tokenizer, state.max_model_len, body.prompt)
         choices = _choices(state, body, prompts, 16)
         return await _respond(state, body, choices, chat=False, http_request=request)
 
@@ -209,7 +176,7 @@ def build_app(state: ServerState) -> FastAPI:
         if tok is None or not tok.chat_template:
             raise BadRequest(f"model {state.model_name} has no chat template (chat_template.jinja); use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        _check_text_fits(state, sum(len(m["content"]) for m in messages), "messages")
+        check_text_fits(tok, state.max_model_len, sum(len(m["content"]) for m in messages), "messages")
         try:  # a long conversation renders off the event loop
             text = await asyncio.to_thread(render_chat, tok.chat_template, messages)
         except BadRequest:
@@ -218,7 +185,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise BadRequest(f"chat template failed on these messages: {e}", "messages") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        ids = await _encode(state, text, "messages")
+        ids = await encode_text(tok, state.max_model_len, text, "messages")
         choices = _choices(state, body, [ids], None)
         return await _respond(state, body, choices, chat=True, http_request=request)
 
@@ -226,42 +193,6 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 # ------------------------------------------------------------------------------------------ requests
-def _check_text_fits(state: ServerState, num_chars: int, param: str) -> None:
-    """Refuse, before tokenizing, a text too long to fit max_model_len whatever its tokens (each token stands
-    for at most `max_token_bytes` bytes, and a character for at least one)."""
-    per_token = state.tokenizer.max_token_bytes if state.tokenizer else None
-    max_len = state.front.validator.ecfg.max_model_len
-    if per_token and num_chars > max_len * per_token:
-        raise BadRequest(f"{param}: {num_chars} characters are more tokens than max_model_len {max_len} holds "
-                         f"(a token of this model covers at most {per_token} bytes)", param)
-
-
-async def _encode(state: ServerState, text: str, param: str) -> list[int]:
-    """The token ids of a text, tokenized in a worker thread (the tokenizer releases the GIL), so a long prompt
-    never stalls the event loop; a text that cannot fit, or is not valid Unicode, is refused first."""
-    if state.tokenizer is None:
-        raise BadRequest(f"model {state.model_name} has no tokenizer; send token ids as the prompt", param)
-    _check_text_fits(state, len(text), param)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON escapes can carry
-        raise BadRequest(f"{param} is not valid Unicode: {e.reason} at character {e.start}", param) from None
-    ids = await asyncio.to_thread(state.tokenizer.encode, text)
-    max_len = state.front.validator.ecfg.max_model_len
-    if len(ids) >= max_len:  # said before any per-token work on the event loop
-        raise BadRequest(f"prompt of {len(ids)} tokens leaves no room under max_model_len {max_len}", param)
-    return ids
-
-
-async def _prompts(state: ServerState, prompt) -> list[list[int]]:
-    """The token ids of each prompt of a completion request (text needs the model's tokenizer)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
-    if not prompt:
-        raise BadRequest("prompt is empty", "prompt")
-    return [await _encode(state, p, "prompt") if isinstance(p, str) else [int(t) for t in p] for p in prompt]
-
-
 def _check(state: ServerState, ids: list[int], sp: SamplingParams) -> None:
     problem = state.front.validator.validate(ids, sp)
     if problem:
