@@ -3,6 +3,7 @@ largest step program's temporaries; a configuration that cannot hold one sequenc
 naming the knobs; off the GPU the pool holds every slot at max_model_len."""
 
 import gc
+import os
 
 import pytest
 from helpers import small_config
@@ -90,3 +91,26 @@ def test_pd_workers_plan_together_within_the_fraction(monkeypatch, role, limit_m
         assert e.memory.step_peak > 0
     used = live() - before + sum(e.memory.step_peak for e in llm.engines) + memory.MARGIN_BYTES
     assert before + used <= fraction * limit, (before, used, [e.memory for e in llm.engines])
+
+
+def test_utilization_is_a_fraction_of_the_gpu_capped_at_jaxs_allocator(monkeypatch):
+    """gpu_memory_utilization counts against the device's memory; JAX's allocator limit caps it; the command
+    lines set that limit from the knob unless the user set one."""
+    from jaxgdn.engine.memory import allocator_fraction
+    from jaxgdn.engine_args import use_memory_fraction
+
+    config = ecfg(gpu_memory_utilization=0.9)
+    total, in_use = 8 * GiB, GiB
+    free = plan_memory(CFG, config, False, (total, in_use, total), lambda pages: 0)
+    capped = plan_memory(CFG, config, False, (total, in_use, int(0.75 * total)), lambda pages: 0)
+    assert free.budget == int(0.9 * total - in_use) and capped.budget == int(0.75 * total - in_use)
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.setenv(name, "")  # restored (to unset, where it was) after the test
+        monkeypatch.delenv(name)
+    assert allocator_fraction() == 0.75  # JAX's default
+    use_memory_fraction(0.6)
+    assert allocator_fraction() == 0.6
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    use_memory_fraction(0.9)  # the user's choice stands
+    assert allocator_fraction() == 0.5 and "XLA_CLIENT_MEM_FRACTION" not in os.environ
