@@ -100,6 +100,18 @@ class LLM:
     def engines(self) -> list[LLMEngine]:
         return [e for e in (self.prefill_worker, self.engine) if e is not None]
 
+    def close(self) -> None:
+        """Free the engines' compiled programs and device buffers (weights, pools): a process may then build
+        LLMs of other configurations without growing. generate() fails afterwards."""
+        for e in self.engines:
+            e.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def precompile(self, use_tqdm: bool = True) -> int:
         """Compile every step program of the engine(s) now, with a progress bar and a log line; returns how
         many were compiled. (A PD prefill worker's steps never sample: its greedy programs only.)"""

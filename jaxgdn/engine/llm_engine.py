@@ -100,6 +100,7 @@ class LLMEngine:
         self.async_scheduling = ecfg.uses_async_scheduling
         self._in_flight: _InFlight | None = None
         self.num_launches = 0
+        self.closed = False
 
     def _step_peak(self, state) -> int:
         """Bytes of the temporaries of the largest ragged step program (sampled), compiled on `state`
@@ -176,6 +177,15 @@ class LLMEngine:
         """Apply the launch in flight, if any (async scheduling; run when no request is left to step)."""
         self._apply_in_flight()
 
+    def close(self) -> None:
+        """Free the engine's compiled programs and device buffers (requests still running are dropped); the
+        engine cannot step afterwards."""
+        if self._in_flight is not None:
+            self._in_flight.pending.flat.block_until_ready()
+            self._in_flight = None
+        self.runner.close()
+        self.closed = True
+
     def usage(self) -> dict:
         """Requests running and waiting, KV pages and request slots in use and in all (page 0 and slot 0,
         the null ones, not counted)."""
@@ -206,6 +216,8 @@ class LLMEngine:
         tokens) and, with MTP, when a running request is within one launch of max_model_len (so every verify
         window is scheduled as the synchronous engine would). num_steps counts model steps, num_launches
         device launches."""
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close()): build a new one")
         asynchronous = self.async_scheduling and self.draft_override is None
         if self._in_flight is not None and (not asynchronous or self.scheduler.may_preempt()
                                             or self._near_length_limit()):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -72,21 +73,48 @@ def layout_tokens(layout: tuple) -> int:
 
 # Compiled step programs, shared by every runner in the process with the same static settings and argument
 # shapes (engines of one configuration, a PD worker pair on one device): (settings, launch key, signature).
-_COMPILED: dict[tuple, Any] = {}
+# Weak: a program lives while a runner holds it, and goes with the last engine that used it.
+_COMPILED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
 
 
 def clear_compiled_programs() -> None:
     """Drop every compiled step program of the process (tests that build many engines)."""
     _COMPILED.clear()
-    _jitted_step.cache_clear()
+    _STEP_FUNCTIONS.clear()
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
-                 library_gemms: bool = False, mesh=None):
-    """One jitted step function per static setting, shared by every runner in the process. library_gemms:
-    compile with LIBRARY_GEMM_OPTIONS (no effect off the GPU). mesh: a tensor-parallel mesh of more than one
-    device runs the step per shard (`tensor_parallel.sharded_step`); None or one device, the plain step."""
+# Jitted step functions by static settings, most recently used last. A jitted function keeps the programs
+# compiled through it (JAX caches its traces, lowerings and executables), so the process keeps those of
+# at most MAX_STEP_FUNCTIONS settings; a runner that closes drops its own unless another live runner uses them.
+_STEP_FUNCTIONS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+_STEP_USERS: "collections.defaultdict[tuple, weakref.WeakSet]" = collections.defaultdict(weakref.WeakSet)
+MAX_STEP_FUNCTIONS = 16
+
+
+def _jitted_step(user, *settings):
+    """The jitted step of these settings (see _make_step) for runner `user`, shared by every runner in the
+    process."""
+    step = _STEP_FUNCTIONS.pop(settings, None) or _make_step(*settings)
+    _STEP_FUNCTIONS[settings] = step
+    _STEP_USERS[settings].add(user)
+    while len(_STEP_FUNCTIONS) > MAX_STEP_FUNCTIONS:
+        _STEP_FUNCTIONS.popitem(last=False)
+    return step
+
+
+def _release_step(user, settings) -> None:
+    users = _STEP_USERS[settings]
+    users.discard(user)
+    if not users:
+        _STEP_FUNCTIONS.pop(settings, None)
+        del _STEP_USERS[settings]
+
+
+def _make_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
+               library_gemms: bool = False, mesh=None):
+    """One jitted step function per static setting. library_gemms: compile with LIBRARY_GEMM_OPTIONS (no
+    effect off the GPU). mesh: a tensor-parallel mesh of more than one device runs the step per shard
+    (`tensor_parallel.sharded_step`); None or one device, the plain step."""
     tp = mesh_size(mesh)
     if tp > 1:
         cfg, policy = local_config(cfg, tp), policy.replace(tp_axis=TP)
@@ -126,8 +154,8 @@ class ModelRunner:
         # rebases: the engine books MTP verify launches before the previous one is back (async scheduling)
         self._static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
         self.policy = policy
-        self._step = _jitted_step(*self._static, mesh=self.mesh)
-        self._library_step = _jitted_step(*self._static, library_gemms=True, mesh=self.mesh)
+        self._settings = [(*self._static, library, self.mesh) for library in (False, True)]
+        self._step, self._library_step = (_jitted_step(self, *settings) for settings in self._settings)
         self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
         self._signature = None  # the weights' and state's shapes and device (set at the first compile)
         self.num_compiles = 0
@@ -204,6 +232,20 @@ class ModelRunner:
                 self._store(futures[future], future.result())
                 if on_compiled:
                     on_compiled()
+
+    def close(self) -> None:
+        """Free what this runner holds: its compiled programs (those no other runner uses go with them), its
+        device state and input buffers, and its reference to the weights."""
+        self._programs.clear()
+        for settings in self._settings:
+            _release_step(self, settings)
+        self._step = self._library_step = None
+        buffers = [self.state, list(self._resident_inputs.values())]
+        self._resident_inputs.clear()
+        self.state = self.params = self.last_device_args = None
+        for x in jax.tree_util.tree_leaves(buffers):  # owned by this runner alone (the weights may be shared)
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
 
     def set_drafts(self, slot: int, drafts: list[int]) -> None:
         """Overwrite a slot's drafts (tests: adversarial drafts must change acceptance only)."""
