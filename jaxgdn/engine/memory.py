@@ -72,11 +72,6 @@ class MemoryPlan:
     step_peak: int  # temporaries of the largest step program (0: not measured)
     budget: int | None  # bytes the engine may use beside what was in use (None: no device limit)
 
-    @property
-    def pool_bytes(self) -> int:
-        """The KV pages and GDN slots this plan allocates."""
-        return self.num_kv_pages * self.page_bytes + self.gdn_bytes
-
     def describe(self, ecfg: EngineConfig) -> str:
         pages = self.num_kv_pages - 1
         parts = [f"KV pages {pages} ({pages * ecfg.kv_page_size} tokens of context, "
