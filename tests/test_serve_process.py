@@ -5,6 +5,7 @@ shutdown lets requests finish or aborts them."""
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -76,7 +77,7 @@ def test_server_with_engine_process_equals_generate(reference):
             metrics = httpx.get(url + "/metrics").text
             if 'jaxgdn_kv_pages_used{role="both"} 0.0' in metrics and 'jaxgdn_requests_running{role="both"} 0.0' in metrics:
                 break
-            asyncio.run(asyncio.sleep(0.1))
+            time.sleep(0.1)
         assert 'jaxgdn_kv_pages_used{role="both"} 0.0' in metrics and 'jaxgdn_gdn_slots_used{role="both"} 0.0' in metrics
 
 
