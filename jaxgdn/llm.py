@@ -36,8 +36,9 @@ def load_model(model: str | Path, config: EngineConfig) -> tuple[ModelConfig, Mo
         params, tokenizer = init_random_params(cfg, seed=0, dtype=dtype, on_device=True), None
     else:
         (cfg, params), tokenizer = load_checkpoint(model, dtype=dtype), load_tokenizer(model)
-    # one serving copy for both PD workers; the loaded layout is dropped
-    return cfg, serving_layout(params, config.fold_norms), tokenizer
+    # one serving copy for both PD workers; the loaded layout is dropped. One program: eagerly, each op of
+    # each new shape compiles apart.
+    return cfg, jax.jit(serving_layout, static_argnums=1)(params, config.fold_norms), tokenizer
 
 
 class LLM:

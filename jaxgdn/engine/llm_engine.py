@@ -108,7 +108,7 @@ class LLMEngine:
         tokens = self.programs.token_buckets[-1]
         shape = StepShape(tokens, self.programs.rows_for(tokens))
         _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
-        compiled = self.runner.lower(layout, True, state=state).compile()
+        compiled = self.runner.compile_on(layout, True, state)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs

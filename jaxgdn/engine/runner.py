@@ -21,6 +21,7 @@ from ..model.config import ModelConfig
 from ..model.params import ModelParams
 from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .device_step import packed_step
+from .program_cache import program_cache
 from .state import EngineState
 from .step_layout import StepArrays, pack_step_arrays
 from .tensor_parallel import TP, local_config, mesh_size, sharded_step
@@ -37,9 +38,10 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
     if not directory:
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
-    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0.5, below JAX's own
-    # 1 s floor, so the smaller step programs are kept too).
-    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0.5")
+    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0, below JAX's own 1 s
+    # floor: a GPU compiles even a small program, such as one of the preset weights' draws, in a fraction of a
+    # second, and a start-up runs dozens of them).
+    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0")
     try:
         floor_s = float(floor)
     except ValueError:
@@ -186,12 +188,31 @@ class ModelRunner:
         return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, stochastic, num_steps,
                                           width)
 
-    def _shared_key(self, key: tuple) -> tuple:
-        """A launch key in the process-wide cache: with the static settings and the arguments' shapes."""
+    def _signature_of(self, state) -> tuple:
+        """What a program's arguments look like: the weights' and state's tree and shapes, the devices."""
+        leaves, tree = jax.tree_util.tree_flatten((self.params, state))
+        return (tree, tuple((x.shape, str(x.dtype)) for x in leaves), str(self.device), self.mesh)
+
+    def _shared_key(self, key: tuple, state=None) -> tuple:
+        """A launch key in the process-wide cache: with the static settings and the arguments' shapes (of
+        `state`, default the runner's)."""
+        if state is not None:
+            return (self._static, *key, self._signature_of(state))
         if self._signature is None:
-            leaves, tree = jax.tree_util.tree_flatten((self.params, self.state))
-            self._signature = (tree, tuple((x.shape, str(x.dtype)) for x in leaves), str(self.device), self.mesh)
+            self._signature = self._signature_of(self.state)
         return (self._static, *key, self._signature)
+
+    def _build(self, key: tuple, state=None):
+        """The compiled program of a launch key on `state` (default the runner's): loaded from the program
+        cache on disk, else lowered and compiled here and stored there."""
+        disk = program_cache()
+        shared = self._shared_key(key, state)
+        program = disk.load(shared) if disk else None
+        if program is None:
+            program = self.lower(*key, state=state).compile()
+            if disk:
+                disk.store(shared, program)
+        return program
 
     def _cached(self, key: tuple):
         """The launch's program from this runner's or the process-wide cache, or None."""
@@ -210,9 +231,13 @@ class ModelRunner:
         key = (layout, stochastic, num_steps, width)
         program = self._cached(key)
         if program is None:
-            program = self.lower(*key).compile()
+            program = self._build(key)
             self._store(key, program)
         return program
+
+    def compile_on(self, layout: tuple, stochastic: bool, state) -> Any:
+        """A ragged program compiled for another state's shapes (memory planning), through the program cache."""
+        return self._build((layout, stochastic, 1, 0), state)
 
     def precompile(self, keys: list[tuple], on_compiled=None, workers: int | None = None) -> None:
         """Compile the programs of keys ((layout, stochastic, num_steps, width), ...) not compiled yet:
@@ -226,8 +251,24 @@ class ModelRunner:
                 on_compiled()
         if not todo:
             return
+        disk = program_cache()
+
+        def compile_and_keep(lowered, key):
+            program = lowered.compile()
+            if disk:
+                disk.store(self._shared_key(key), program)
+            return program
+
         with concurrent.futures.ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(self.lower(*key).compile): key for key in todo}
+            loaded = dict(zip(todo, pool.map(lambda k: disk.load(self._shared_key(k)), todo))) if disk else {}
+            futures = {}
+            for key in todo:  # loaded ones first, then each miss lowered here and compiled on the pool
+                if loaded.get(key) is None:
+                    futures[pool.submit(compile_and_keep, self.lower(*key), key)] = key
+                else:
+                    self._store(key, loaded[key])
+                    if on_compiled:
+                        on_compiled()
             for future in concurrent.futures.as_completed(futures):
                 self._store(futures[future], future.result())
                 if on_compiled:

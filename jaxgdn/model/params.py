@@ -8,6 +8,7 @@ which tensors a config needs; loading, saving, validation and random init all re
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -317,6 +318,18 @@ def _distribution(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> tuple:
     return ("normal", 0.0, 1.0, np.sqrt(shape[-1]))
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _draw_on_device(key, index, shape: tuple[int, ...], distribution: tuple, dtype: str) -> Array:
+    """One tensor of init_random_params' on-device draw, from fold_in(key, index): one small program per
+    distinct (shape, distribution, dtype), where eager ops would compile each op of each new shape apart."""
+    k = jax.random.fold_in(key, index)
+    kind, *args = distribution
+    if kind == "log_uniform":
+        return jnp.log(jax.random.uniform(k, shape, jnp.float32, *args)).astype(dtype)
+    loc, mul, div = args
+    return (loc + mul * jax.random.normal(k, shape, jnp.float32) / div).astype(dtype)
+
+
 def init_random_params(
     cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, include_mtp: bool | None = None, on_device: bool = False
 ) -> ModelParams:
@@ -328,22 +341,19 @@ def init_random_params(
     on_device: drawn with jax.random on the default device (the same distributions, other values): seconds
     for the largest presets, where numpy's draw on the host takes minutes.
     """
-    rng = np.random.default_rng(seed)
-    key = jax.random.key(seed)
-    tensors = {}
-    for i, (name, shape) in enumerate(expected_tensor_shapes(cfg, include_mtp).items()):
-        kind, *args = _distribution(cfg, name, shape)
-        if on_device:
-            k = jax.random.fold_in(key, i)
+    specs = tuple((name, shape, _distribution(cfg, name, shape), jnp.dtype(tensor_dtype(name, dtype)).name)
+                  for name, shape in expected_tensor_shapes(cfg, include_mtp).items())
+    if on_device:
+        key = jax.random.key(seed)
+        tensors = {name: _draw_on_device(key, i, *spec) for i, (name, *spec) in enumerate(specs)}
+    else:
+        rng = np.random.default_rng(seed)
+        tensors = {}
+        for name, shape, (kind, *args), dt in specs:
             if kind == "log_uniform":
-                x = jnp.log(jax.random.uniform(k, shape, jnp.float32, *args))
+                x = np.log(rng.uniform(*args, shape))
             else:
                 loc, mul, div = args
-                x = loc + mul * jax.random.normal(k, shape, jnp.float32) / div
-        elif kind == "log_uniform":
-            x = np.log(rng.uniform(*args, shape))
-        else:
-            loc, mul, div = args
-            x = loc + mul * rng.standard_normal(shape) / div
-        tensors[name] = jnp.asarray(x, dtype=tensor_dtype(name, dtype))
+                x = loc + mul * rng.standard_normal(shape) / div
+            tensors[name] = jnp.asarray(x, dtype=dt)
     return params_from_tensors(cfg, tensors, include_mtp=cfg.has_mtp if include_mtp is None else include_mtp)
