@@ -2,7 +2,7 @@
 # The GPU tests, then the benchmark suite, on one H200 through the device tool:
 #   mkdir -p gpu_wheels && cp ../shared/wheels/*.whl gpu_wheels/     (git-ignored; carry: ["gpu_wheels"])
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
-#     -d gpu_wheels fastapi uvicorn httptools                             (the server's, for serve-http)
+#     -d gpu_wheels fastapi uvicorn httptools uvloop aiohttp             (the server and its benchmark client)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
 #                                     serve-http serve-c64 serve-c256 serve-pd-mtp decode prefill spec kernels pd;
 #                                     on two GPUs (device kind

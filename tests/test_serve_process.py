@@ -3,16 +3,21 @@ role both): over HTTP its greedy outputs equal LLM.generate's, streams cut midwa
 are refused in the API process; an engine process that dies fails the requests in flight and no later one hangs;
 shutdown lets requests finish or aborts them."""
 
+import argparse
 import asyncio
+import json
 import random
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from servers import hang_up_after, serve_processes
+from servers import ROOT, hang_up_after, serve_processes
 
 from jaxgdn import task
+from jaxgdn.bench.serve import make_requests
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
 from jaxgdn.generate import default_checkpoint
@@ -38,7 +43,7 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n)
 
 
-def test_server_with_engine_process_equals_generate(reference):
+def test_server_with_engine_process_equals_generate(reference, tmp_path):
     rng = random.Random(0)
     jobs = [(p.prompt()[: rng.randint(8, 160)], rng.randint(1, 40), i % 5 == 2) for i, p in enumerate(PROBLEMS)]
     kept = [i for i, job in enumerate(jobs) if not job[2]]
@@ -80,6 +85,19 @@ def test_server_with_engine_process_equals_generate(reference):
             time.sleep(0.1)
         assert 'jaxgdn_kv_pages_used{role="both"} 0.0' in metrics and 'jaxgdn_gdn_slots_used{role="both"} 0.0' in metrics
 
+        # the serving benchmark's client against this server: every token counted, none lost
+        out = tmp_path / "http.json"
+        run = subprocess.run([sys.executable, "-m", "jaxgdn.bench", "serve", "--http", url, "--model",
+                              str(default_checkpoint()), "--num-prompts", "12", "--input-len", "8", "40", "--output-len",
+                              "4", "16", "--max-concurrency", "4", "--http-repeat", "0", "--out", str(out)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        first = json.loads(out.read_text())["first"]
+        args = argparse.Namespace(seed=0, num_prompts=12, dataset="random", input_len=[8, 40], output_len=[4, 16])
+        assert first["errors"] == 0 and first["requests"] == 12
+        assert first["output_tokens"] == first["server_generation_tokens"] == sum(o for _, o in make_requests(args, 99))
+        assert 0 < first["ttft_ms"]["p50"] <= first["ttft_ms"]["p99"]
+
 
 def test_engine_process_death_and_shutdown(reference):
     prompt = reference.tokenizer.encode(PROBLEMS[0].prompt())
@@ -101,7 +119,9 @@ def test_engine_process_death_and_shutdown(reference):
 
         client = EngineClient(str(default_checkpoint()), CONFIG)
         running = asyncio.create_task(collect(client, long))
+        deadline = time.monotonic() + 120
         while not client.snapshot.get("running"):
+            assert client.alive and time.monotonic() < deadline, client.error
             await asyncio.sleep(0.05)
         client.process.kill()  # the engine process dies mid-request
         reason, _ = await asyncio.wait_for(running, 60)

@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-speculative-tokens", type=int, default=0)
     sv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     sv.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N")
+    sv.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
+                    metavar="N|off", help="EngineConfig.library_gemms_min_tokens (0: cuBLAS for every step program)")
     sv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
     sv.add_argument("--pd", action="store_true", help="PD disaggregation: a prefill and a decode worker on one device")
     sv.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe (the bound)")

@@ -155,6 +155,7 @@ def engine_config(args):
                         num_speculative_tokens=args.num_speculative_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         decode_steps_per_launch=args.decode_steps_per_launch,
+                        library_gemms_min_tokens=args.library_gemms_min_tokens,
                         tensor_parallel_size=args.tensor_parallel_size, pd=args.pd)
 
 
@@ -215,7 +216,8 @@ def _forwarded(args) -> list[str]:
              "--matmul-size", str(args.matmul_size), "--bandwidth-bytes", str(args.bandwidth_bytes)]
     if args.decode_steps_per_launch is not None:
         flags += ["--decode-steps-per-launch", str(args.decode_steps_per_launch)]
-    return flags
+    min_tokens = args.library_gemms_min_tokens
+    return flags + ["--library-gemms-min-tokens", "off" if min_tokens is None else str(min_tokens)]
 
 
 def peer_transformers(args, requests) -> dict:
@@ -268,7 +270,7 @@ def bench_serve(args) -> dict:
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
                "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
-                   "gpu_memory_utilization", "decode_steps_per_launch", "pd")},
+                   "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd")},
                "cold_process": cold, "warm_cache_startup": warm_start}
     args.save_partial(payload)
     w = cold["warm"]

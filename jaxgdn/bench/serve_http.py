@@ -1,9 +1,10 @@
 """`bench serve --http URL`: the serving benchmark against a running server (`python -m jaxgdn.serve` or any
-OpenAI-compatible one), like vLLM's benchmark_serving: the same seeded workload as `bench serve`, sent as
-streaming /v1/completions requests with token-id prompts (ignore_eos, greedy), at --request-rate (Poisson) with
-at most --max-concurrency in flight. TTFT is the first streamed token's arrival, ITL the gaps between streamed
-chunks, TPOT (last - first) / (tokens - 1) per request; output tokens are counted from the server's token ids
-(jaxgdn's `token_ids` extension) where it sends them, else one per chunk."""
+OpenAI-compatible one), like vLLM's benchmark_serving and with its client, aiohttp (httpx parses an SSE stream
+several times slower, enough to load the client at a GPU's rates): the same seeded workload as `bench serve`,
+sent as streaming /v1/completions requests with token-id prompts (ignore_eos, greedy), at --request-rate
+(Poisson) with at most --max-concurrency in flight. TTFT is the first streamed token's arrival, ITL the gaps
+between streamed chunks, TPOT (last - first) / (tokens - 1) per request; output tokens are counted from the
+server's token ids (jaxgdn's `token_ids` extension) where it sends them, else one per chunk."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ import numpy as np
 from .serve import _percentiles, _tokenizer, _vocab, make_requests
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     times, tokens, error = [], 0, None
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+            async for raw in r.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"][0]
                 n = len(choice["token_ids"]) if "token_ids" in choice else int(bool(choice.get("text")))
@@ -34,17 +36,19 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
                     times.append(time.perf_counter())
                     tokens += n
     except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
-        error = f"{type(e).__name__}: {e}"
+        error = f"{type(e).__name__}: {e!r} after {tokens} tokens, {time.perf_counter() - t0:.1f} s"
     return {"start": t0, "times": times, "tokens": tokens, "error": error}
 
 
 async def _run(args, requests) -> dict:
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
-    async with httpx.AsyncClient(base_url=args.http, timeout=None, limits=limits) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        metrics_before = (await client.get("/metrics")).text
+    url = args.http.rstrip("/")
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)  # 0: no limit
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with session.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        metrics_before = await _metrics(session, url)
         rng = np.random.default_rng(args.seed)
         gaps = rng.exponential(1 / args.request_rate, len(requests)) if args.request_rate > 0 else np.zeros(len(requests))
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
@@ -53,11 +57,11 @@ async def _run(args, requests) -> dict:
         async def send(delay: float, prompt, max_tokens):
             await asyncio.sleep(delay)
             async with gate:
-                return await _one(client, model, prompt, max_tokens)
+                return await _one(session, url, model, prompt, max_tokens)
 
         results = await asyncio.gather(*(send(float(d), p, o) for d, (p, o) in zip(np.cumsum(gaps) - gaps[0], requests)))
         wall = time.perf_counter() - t0
-        metrics_after = (await client.get("/metrics")).text
+        metrics_after = await _metrics(session, url)
     ttft, tpot, itl = [], [], []
     for r in results:
         if r.get("times"):
@@ -75,6 +79,11 @@ async def _run(args, requests) -> dict:
             "compiles_after_startup": _metric(metrics_after, "jaxgdn_compiles_after_startup"),
             "server_generation_tokens": _metric(metrics_after, "jaxgdn_generation_tokens_total")
             - _metric(metrics_before, "jaxgdn_generation_tokens_total")}
+
+
+async def _metrics(session, url: str) -> str:
+    async with session.get(url + "/metrics") as r:
+        return await r.text()
 
 
 def _metric(text: str, name: str) -> float | None:

@@ -120,13 +120,15 @@ def serve_table(d: dict) -> list[str]:
     if peer and "wall_s" in peer:
         lines.append(f"| transformers ({peer['form']}) | {peer['wall_s']:.2f} | {peer['total_tokens_per_s']:.0f} | "
                      f"{peer['output_tokens_per_s']:.0f} | - | - | - |")
-    return [head, ""] + lines + ["", f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, "
-                                     f"{d['warm_cache_startup']['startup_s']:.1f} s with it filled; `LLM(...)` to the cold "
+    warm = d.get("warm_cache_startup")  # absent: the one process started on a filled cache (see its note)
+    startup = (f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, {warm['startup_s']:.1f} s with it filled"
+               if warm else f"Start-up {c['startup_s']:.1f} s on a filled compilation cache ({d['note']})")
+    phases = (("empty cache", c), ("cache filled", warm)) if warm else (("cache filled", c),)
+    return [head, ""] + lines + ["", f"{startup}; `LLM(...)` to the cold "
                                      f"run's last token {c['cold']['from_process_start_s']:.1f} s; {c['programs']} step programs, "
                                      f"{c['compiles_after_startup']} compiled after start-up; the bound "
                                      f"{c['bound']['total_s']:.2f} s ({c['warm']['fraction_of_bound']:.0%} of it reached warm)."] + [
-        f"Start-up phases, {name}: {startup_line(r['startup_phases'])}."
-        for name, r in (("empty cache", c), ("cache filled", d["warm_cache_startup"])) if "startup_phases" in r]
+        f"Start-up phases, {name}: {startup_line(r['startup_phases'])}." for name, r in phases if "startup_phases" in r]
 
 
 def _arrivals(d: dict) -> str:
@@ -165,7 +167,13 @@ def comm_table(d: dict) -> list[str]:
                                         str(r.get("all_gather_count", 0)), f"{r.get('all_gather_bytes', 0) / 1e6:.3f}"])
 
 
-TABLES = {"serve": serve_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
+def startup_table(d: dict) -> list[str]:
+    """A start-up on an empty compilation cache (its log line) and one on the cache it filled."""
+    return [d["note"] + ".", "", f"Empty cache: {d['empty_cache_log']}.", "",
+            f"Cache filled: {startup_line(d['cache_filled']['startup_phases'])}."]
+
+
+TABLES = {"serve": serve_table, "startup": startup_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
           "kernels": kernels_table, "pd": pd_table, "eval": eval_table, "comm": comm_table}
 
 
