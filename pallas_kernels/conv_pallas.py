@@ -182,7 +182,7 @@ def causal_conv_prompt(x, widths, weight, window, interpret=None, block_t: int =
     x [B, T, >=C] pre-conv inputs in channels [0, C) (the fused projection's whole output may be passed);
     widths: the outputs' channel counts, summing to C; weight [C, 1, Kc] (tap Kc-1 on the current token);
     window [B, Kc-1, C] the previous inputs. Returns one [B, T, width] array per width, in x.dtype, equal
-    to `jaxgdn.gdn.causal_conv_silu`'s output split at the widths.
+    to `jaxgdn.model.gdn.causal_conv_silu`'s output split at the widths.
     """
     B, T, _ = x.shape
     Kc = weight.shape[-1]

@@ -1,6 +1,6 @@
 """Gated delta rule (the GDN recurrence), reference implementations and the one dispatch function.
 
-All implementations share one signature and the math of reference §6.5:
+All implementations share one signature and the math of docs/qwen35-architecture.md §6.5:
 
     q, k: [B, T, Hk, dk] (post conv+SiLU, not yet L2-normed); v: [B, T, Hv, dv]
     g: [B, T, Hv] fp32 log decay (<= 0); beta: [B, T, Hv] fp32

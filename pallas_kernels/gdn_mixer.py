@@ -17,7 +17,7 @@ heads) and writes the normed, gated output in out_proj's input layout.
     slots, start, fresh, verify, num_valid [B]
     -> (out [B, T, Hv*dv] in the activation dtype, conv_pool, ssm_pool)
 
-Semantics are the unfused chain's (`causal_conv_pooled`, `jaxgdn.gdn.gdn_gates`, `gdn_recurrent_pooled`,
+Semantics are the unfused chain's (`causal_conv_pooled`, `jaxgdn.model.gdn.gdn_gates`, `gdn_recurrent_pooled`,
 `norms.gated_rms_norm`; tests/test_gdn_mixer.py compares them): a row starts from checkpoint `start` of its
 slot (zeros when fresh); steps past num_valid neither decay nor write; a verify row writes the state after
 each window position t < W to checkpoint t and its whole conv buffer, any other row its final state to

@@ -56,7 +56,7 @@ def _softplus(x):
 
 
 def gate_values(b, a, A_log, dt_bias, dtype):
-    """`jaxgdn.gdn.gdn_gates` inside a kernel: b, a the projection's raw values (any shape), A_log and dt_bias
+    """`jaxgdn.model.gdn.gdn_gates` inside a kernel: b, a the projection's raw values (any shape), A_log and dt_bias
     one head's scalars, dtype the projection's. Returns (g log decay, beta), fp32; beta = sigmoid(b) rounded
     to dtype as the layer computes it there."""
     beta = jax.nn.sigmoid(b.astype(f32)).astype(dtype).astype(f32)
@@ -215,7 +215,7 @@ def gdn_recurrent_pooled(qkv, g, beta, pool, slots, start, fresh, verify, interp
     start from zeros; verify [B] write the state after window position t to checkpoint t (t < W), else
     write the final state to checkpoint 0.
     gates: a `GateSource` (g = beta = None): the kernel forms g and beta from the projection's b and a columns
-    in place, as `jaxgdn.gdn.gdn_gates` and the padding mask do in XLA, where they were a kernel of their own.
+    in place, as `jaxgdn.model.gdn.gdn_gates` and the padding mask do in XLA, where they were a kernel of their own.
     Returns (o [B, T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share
     the null slot: what they write there is never read). block_v: the dv tile of a program (default
     `_value_block`'s); num_warps: default `pool_warps(T)`; evict_first: L2 evict-first hints on the state's
@@ -263,7 +263,7 @@ class OutputGate(NamedTuple):
 
 
 class GateSource(NamedTuple):
-    """The GDN gates for a kernel to compute from the input projection in place, as `jaxgdn.gdn.gdn_gates` and
+    """The GDN gates for a kernel to compute from the input projection in place, as `jaxgdn.model.gdn.gdn_gates` and
     the padding mask do in XLA, where they are two small kernels a layer of their own.
 
     source [B, T, N]: value head h's b at column b_offset + h and its a at b_offset + Hv + h (the fused

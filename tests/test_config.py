@@ -78,7 +78,7 @@ def test_qwen35_08b_preset_matches_published_numbers():
     assert cfg.attention_layer_ids == (3, 7, 11, 15, 19, 23) and len(cfg.gdn_layer_ids) == 18
     assert (cfg.linear_key_dim, cfg.linear_value_dim, cfg.conv_dim, cfg.rotary_dim) == (2048, 2048, 6144, 64)
     assert cfg.eos_token_ids == (248046, 248044) and cfg.tie_word_embeddings
-    # Parameter and tensor counts derived in reference §2 / §10.
+    # Parameter and tensor counts derived in docs/qwen35-architecture.md §2 / §10.
     text = expected_tensor_shapes(cfg, include_mtp=False)
     full = expected_tensor_shapes(cfg, include_mtp=True)
     assert len(text) == 320 and len(full) - len(text) == 15

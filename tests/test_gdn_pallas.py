@@ -113,7 +113,7 @@ def test_chunked_kernel_computes_the_gates_from_the_projection_in_place(dtype):
 def check_gates_from_source(dtype):
     """gates=GateSource(source, b_offset, A_log, dt_bias, num_valid): the prep kernel reads b and a out of a
     wider array (the fused projection's product) and computes g, beta and the padding mask as
-    `jaxgdn.gdn.gdn_gates` and `gdn_projections` do in XLA. T = 70 pads the last chunk past the source's
+    `jaxgdn.model.gdn.gdn_gates` and `gdn_projections` do in XLA. T = 70 pads the last chunk past the source's
     rows; row 1 has 41 real tokens. Output and state equal the kernel fed XLA's g and beta."""
     from types import SimpleNamespace
 
@@ -275,7 +275,7 @@ def test_scan_pipeline_depth_fits_the_shared_memory():
 def gates_in_product(g, beta, T, rng):
     """A GateSource over a product y [B, T, 5 + 2 * Hv] with b and a at columns 3 .. 3 + 2 * Hv, with A_log,
     dt_bias and num_valid [B] (row 1 padded after its first token), and the (g, beta) that
-    `jaxgdn.gdn.gdn_projections` forms from them (zero past num_valid). g, beta give the shape."""
+    `jaxgdn.model.gdn.gdn_projections` forms from them (zero past num_valid). g, beta give the shape."""
     from jaxgdn.model.gdn import gdn_gates
     from jaxgdn.model.params import GDNParams
 

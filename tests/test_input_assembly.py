@@ -1,4 +1,4 @@
-"""Input assembly kernel: numpy reference == XLA == Pallas (interpret on CPU), and reference §3's cases."""
+"""Input assembly kernel: numpy reference == XLA == Pallas (interpret on CPU), and the cases of docs/vllm-pd-mtp-gdn.md §3."""
 
 import jax
 import jax.numpy as jnp

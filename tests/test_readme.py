@@ -19,3 +19,17 @@ def test_readme_quickstart_runs_as_written(monkeypatch, capsys):
     assert text.rstrip().endswith("#### 12")
     reason, acceptance = last.split()
     assert reason == "stop" and float(acceptance) > 1.0
+
+
+STALE = ("_packed_step", "input_batch.", "jaxgdn.gdn.", "reference §", "reference/")
+VENDORED = {"qwen35-architecture.md", "vllm-pd-mtp-gdn.md", "hybrid-prefix-caching.md"}  # describe other code
+
+
+def test_no_stale_references():
+    """Docstrings and docs name what exists: no removed module or function, no section of a document outside
+    the repository."""
+    files = [p for d in ("jaxgdn", "pallas_kernels", "tests") for p in (ROOT / d).rglob("*.py")] + [
+        ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    hits = [f"{p.relative_to(ROOT)}: {name}" for p in files if p.name not in VENDORED | {"test_readme.py"}
+            for name in STALE if name in p.read_text()]
+    assert not hits, hits

@@ -1,5 +1,5 @@
 """MTP speculative decoding + PD disaggregation: greedy losslessness, PD state equivalence, the
-invariants of reference §8.1, and the #47466 regression reproduced on demand."""
+invariants of docs/vllm-pd-mtp-gdn.md §8.1, and the #47466 regression reproduced on demand."""
 
 import os
 

@@ -227,7 +227,7 @@ def peer_transformers(args, requests) -> dict:
     from transformers import GenerationConfig
 
     from ..model.config import PRESETS, ModelConfig
-    from .steps import hf_model
+    from .transformers_peer import hf_model
 
     cfg = (PRESETS[args.model]() if args.model in PRESETS
            else ModelConfig.from_json_file(os.path.join(args.model, "config.json")))

@@ -16,12 +16,12 @@ import contextlib
 import os
 import statistics
 import time
-import traceback
 
 import numpy as np
 
 from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS
-from .common import ensure_triton_cache_dir, measured_bandwidth_gbs, measured_matmul_tflops
+from .common import measured_bandwidth_gbs, measured_matmul_tflops
+from .transformers_peer import hf_decode_ms, hf_prefill_ms, peer_model_or_none, record_peer
 
 
 def load_model(model: str, include_mtp: bool = False):
@@ -308,97 +308,10 @@ def engine_prefill_stream_ms(params, cfg, batch: int, length: int, steps: int = 
     return seconds / steps * 1e3
 
 
-# ----------------------------------------------------------------------------- transformers peer
-
-
-def hf_model(cfg, dtype="bfloat16", device="cuda"):
-    """transformers' Qwen3_5ForCausalLM at cfg with its own random init, on `device` (fla used if installed)."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
-    model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**d), dtype=getattr(torch, dtype))
-    return model.to(device).eval()
-
-
-def hf_decode_ms(model, vocab: int, batch: int, prompt_len: int, steps: int) -> float:
-    """ms per greedy decode step of a plain forward loop with transformers' cache (no generate() overhead)."""
-    ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
-    import torch
-
-    ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for _ in range(steps + 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            nxt.cpu()  # a server needs the token on the host each step
-            times.append(time.perf_counter() - t0)
-            cache = out.past_key_values
-    return statistics.median(times[2:]) * 1e3
-
-
-def hf_prefill_ms(model, vocab: int, batch: int, length: int, repeats: int = 7, warmup: int = 2) -> float:
-    """Median ms of transformers' prefill forward (logits of the last token), after `warmup` untimed
-    calls (fla autotunes its kernels for a new shape on the first); its calls vary, hence several."""
-    ensure_triton_cache_dir()  # right before fla runs: it was found empty after our engine had run
-    import torch
-
-    ids = torch.randint(0, vocab, (batch, length), device="cuda")
-    runs = []
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.argmax(-1).cpu()
-            if i >= warmup:
-                runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) * 1e3
-
-
-def _peer(row: dict, key: str, ours_ms: float, measure, save) -> str:
-    """Save our row, then (measure not None) record the peer's time under row[key] and our speed-up over
-    it and save again. A peer failure (out of memory, a missing kernel) is recorded as
-    row["transformers_error"] instead of ending the benchmark. Returns the text for the printed line."""
-    save()  # ours is kept even if the peer fails
-    if measure is None:
-        return ""
-    try:
-        peer_ms = measure()
-    except Exception as e:  # noqa: BLE001
-        row["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        row["transformers_traceback"] = traceback.format_exc(limit=-8)[-3000:]
-        save()
-        return f"  transformers failed: {row['transformers_error']}"
-    row[key] = peer_ms
-    row["speedup_vs_transformers"] = peer_ms / ours_ms
-    save()
-    return f"  transformers {peer_ms:.2f} ms ({peer_ms / ours_ms:.1f}x)"
-
-
-def _hf_or_none(cfg, want: bool):
-    if not want:
-        return None
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("transformers peer skipped: torch has no CUDA device")
-            return None
-        return hf_model(cfg)
-    except Exception as e:  # noqa: BLE001
-        print(f"transformers peer skipped ({type(e).__name__}: {e})")
-        return None
-
-
 def _setup(args):
     """(params, cfg, sizes, transformers model or None) for the decode and prefill benchmarks."""
     params, cfg = load_model(args.model)
-    return params, cfg, model_sizes(params, cfg), _hf_or_none(cfg, not args.no_peer)
+    return params, cfg, model_sizes(params, cfg), peer_model_or_none(cfg, not args.no_peer)
 
 
 def bench_decode(args) -> dict:
@@ -421,7 +334,7 @@ def bench_decode(args) -> dict:
         rows.append(row)
         measure = None if hf is None or batch not in args.peer_batch else \
             (lambda: hf_decode_ms(hf, cfg.vocab_size, batch, args.prompt_len, args.peer_steps))
-        peer = _peer(row, "transformers_ms_per_step", row["ms_per_step"], measure,
+        peer = record_peer(row, "transformers_ms_per_step", row["ms_per_step"], measure,
                      lambda: args.save_partial(_decode_payload(args, sizes, bw, rows)))
         split = " ".join(f"{k} {v:.2f}" for k, v in row["host_phase_ms_per_step"].items())
         print(f"decode batch {batch:4d}: {row['ms_per_step']:.3f} ms/step (device {row['device_ms_per_step']:.3f}; {split})  "
@@ -475,7 +388,7 @@ def bench_prefill(args) -> dict:
                        stream_over_floor=stream / row["flop_floor_ms"])
         rows.append(row)
         measure = None if hf is None else (lambda: hf_prefill_ms(hf, cfg.vocab_size, batch, length))
-        peer = _peer(row, "transformers_ms", ms, measure,
+        peer = record_peer(row, "transformers_ms", ms, measure,
                      lambda: args.save_partial(_prefill_payload(args, sizes, tflops, rows)))
         stream = (f"  stream {row['stream_ms_per_step']:.2f} ms/step ({row['stream_over_floor']:.2f}x)"
                   if args.stream_steps else "")

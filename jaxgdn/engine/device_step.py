@@ -96,7 +96,7 @@ def _advance_rows(a: StepArrays, shift, live, page_size: int, fresh: bool = Fals
     """A step's arrays with every row moved on by shift (int32[R], on the device) positions: in a launch
     of several steps, step j's rows by the tokens they emitted in steps 0..j-1 (a decode row commits its
     one input token and samples one; a verify row commits its input token and its accepted drafts, and
-    samples as many), plus any rebase (_packed_step). Positions, sequence lengths and the KV slots the
+    samples as many), plus any rebase (packed_step). Positions, sequence lengths and the KV slots the
     tokens write (from the rows' block tables) move by shift. A row that is not live (its emitted tokens
     reached its token_budget: its request is over, max_tokens or max_model_len) writes the null page and
     samples nothing; padding keeps its values; fresh: keep the host's fresh flags (step 0), else no row is

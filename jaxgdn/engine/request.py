@@ -128,7 +128,7 @@ class Request:
     prefill_len: int = 0
     slot: int = 0  # persistent request slot (0 = none; slot 0 is the null slot)
     pages: list[int] = dataclasses.field(default_factory=list)
-    pages_in_table: int = 0  # of `pages`, how many the host block table holds (input_batch.BlockTables)
+    pages_in_table: int = 0  # of `pages`, how many the host block table holds (step_layout.BlockTables)
     finish_reason: str | None = None
     error: str | None = None
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step

@@ -68,7 +68,7 @@ class EngineState:
     num_accepted: Array  # [num_slots] int32
     # Tokens each slot has committed (its request's num_computed), written by every step: a launch
     # scheduled before the previous one's results are back (async scheduling with MTP) starts its rows
-    # there instead of at the host's guess (runner._packed_step).
+    # there instead of at the host's guess (device_step.packed_step).
     num_computed: Array  # [num_slots] int32
 
 

@@ -1,4 +1,4 @@
-"""Gated full attention of Qwen3.5 (reference §4) over this step's tokens and an optional dense KV cache."""
+"""Gated full attention of Qwen3.5 (docs/qwen35-architecture.md §4) over this step's tokens and an optional dense KV cache."""
 
 from __future__ import annotations
 

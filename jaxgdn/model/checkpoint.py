@@ -1,6 +1,6 @@
 """Hugging Face checkpoint loading and saving (config.json + safetensors, single-file or sharded).
 
-Accepted key layouts (reference §2): `model.language_model.*` (multimodal Qwen3_5ForConditionalGeneration)
+Accepted key layouts (docs/qwen35-architecture.md §2): `model.language_model.*` (multimodal Qwen3_5ForConditionalGeneration)
 or `model.*` (text-only); top-level `lm_head.weight` (absent when tied; ignored if present and tied)
 and `mtp.*`; `model.visual.*` is skipped. Saving writes the text-only layout that both jaxgdn and
 transformers' Qwen3_5ForCausalLM read, so a saved checkpoint reloads identically.

@@ -1,6 +1,6 @@
 """Model configuration: parsed from a Hugging Face `config.json`, hashable so it is static under jit.
 
-Rules (reference/qwen35-architecture.md §1): read `text_config` if present, else the top level;
+Rules (docs/qwen35-architecture.md §1): read `text_config` if present, else the top level;
 rope fields come from `rope_parameters` first, then legacy top-level keys; `layer_types` wins over
 `full_attention_interval`; the tie flag is read from `text_config`, else the top level.
 """
@@ -227,7 +227,7 @@ class ModelConfig:
 
 
 def qwen35_0_8b() -> ModelConfig:
-    """The exact text-model values of Qwen/Qwen3.5-0.8B (reference §1)."""
+    """The exact text-model values of Qwen/Qwen3.5-0.8B (docs/qwen35-architecture.md §1)."""
     return ModelConfig(
         vocab_size=248320,
         hidden_size=1024,

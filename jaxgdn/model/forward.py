@@ -1,4 +1,4 @@
-"""The Qwen3.5 text model as pure functions over a ModelParams pytree (reference §3).
+"""The Qwen3.5 text model as pure functions over a ModelParams pytree (docs/qwen35-architecture.md §3).
 
 `forward` runs new tokens on top of an optional cache; with cache=None it is the full-sequence
 forward from an empty state. Decode, chunked-prefill continuation and multi-token verification are

@@ -1,4 +1,4 @@
-"""Gated DeltaNet layer of Qwen3.5 (reference §6): projections, causal conv, gates, core, gated norm."""
+"""Gated DeltaNet layer of Qwen3.5 (docs/qwen35-architecture.md §6): projections, causal conv, gates, core, gated norm."""
 
 from __future__ import annotations
 

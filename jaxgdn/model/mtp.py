@@ -1,4 +1,4 @@
-"""The MTP head (reference §8): one extra full-attention decoder layer that drafts the token after next.
+"""The MTP head (docs/qwen35-architecture.md §8): one extra full-attention decoder layer that drafts the token after next.
 
 At MTP position i the inputs are the trunk's final-normed hidden h_i and the embedding of token t_{i+1};
 the output predicts t_{i+2}. The layer runs at the hidden's position p_i with its own KV cache.

@@ -1,4 +1,4 @@
-"""RMSNorm flavours of Qwen3.5 (reference §3, §6.6). All statistics in fp32."""
+"""RMSNorm flavours of Qwen3.5 (docs/qwen35-architecture.md §3, §6.6). All statistics in fp32."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from .config import FULL_ATTENTION, ModelConfig
 
 Array = Any
 
-# Tensors kept in fp32 whatever the weight dtype: they feed fp32 math and are F32 on disk (reference §2).
+# Tensors kept in fp32 whatever the weight dtype: they feed fp32 math and are F32 on disk (docs/qwen35-architecture.md §2).
 FP32_TENSOR_SUFFIXES = ("linear_attn.A_log", "linear_attn.norm.weight")
 RESIDUAL_OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 

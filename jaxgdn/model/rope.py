@@ -1,4 +1,4 @@
-"""Partial rotate-half RoPE of Qwen3.5 full attention (reference §5).
+"""Partial rotate-half RoPE of Qwen3.5 full attention (docs/qwen35-architecture.md §5).
 
 Text-only positions: the three M-RoPE axes carry the same position, so the interleaved frequency
 assignment reduces to plain 1-D partial RoPE over the first `rotary_dim` dims of each head.
