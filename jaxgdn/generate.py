@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
     try:
         config = engine_config(args, max_num_seqs=args.concurrency or args.max_num_seqs)
-        llm = LLM(str(model), config, input_impl=args.input_impl)
+        llm = LLM(str(model), config)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"jaxgdn: {e}", file=sys.stderr)
         return 2

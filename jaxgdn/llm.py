@@ -44,12 +44,11 @@ def load_model(model: str | Path, config: EngineConfig) -> tuple[ModelConfig, Mo
 class LLM:
     """model: a checkpoint directory, or a preset name (random weights, for benchmarks) such as
     "qwen3.5-0.8b". config: EngineConfig (pd=True serves through a PrefillWorker and a DecodeWorker).
-    input_impl: input-assembly kernel ("xla", "pallas", "triton"). handoff_transport "bytes" sends every
+    handoff_transport "bytes" sends every
     PD handoff through to_bytes()/from_bytes() as a process boundary would. role "prefill" or "decode" builds
     one side of a PD pair only, for a server process (`jaxgdn.serve`); generate() needs role "both"."""
 
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, *, input_impl: str = "xla",
-                 garbage_seed: int | None = None, handoff_transport: str = "object", role: str = "both"):
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, *, garbage_seed: int | None = None, handoff_transport: str = "object", role: str = "both"):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config or EngineConfig()
@@ -76,17 +75,17 @@ class LLM:
             same = (self.config.prefill_device or 0) == (self.config.decode_device or 0) if tp > 1 else (
                 pick(self.config.prefill_device) == pick(self.config.decode_device))
             share = 0.5 if role == "both" and same else 1.0
-            self.prefill_worker = PrefillWorker(params, self.model_config, self.config, input_impl=input_impl,
+            self.prefill_worker = PrefillWorker(params, self.model_config, self.config,
                                                 garbage_seed=garbage_seed, memory_share=share,
                                                 **place(self.config.prefill_device))
         if self.config.pd and role != "prefill":
             # both workers on one device: the decode worker's plan leaves room for the prefill step's temporaries
             reserved = self.prefill_worker.memory.step_peak if self.prefill_worker is not None and same else 0
-            self.engine = DecodeWorker(params, self.model_config, self.config, input_impl=input_impl,
+            self.engine = DecodeWorker(params, self.model_config, self.config,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
                                        decode=decode, memory_reserved=reserved, **place(self.config.decode_device))
         elif not self.config.pd:
-            self.engine = LLMEngine(params, self.model_config, self.config, input_impl=input_impl,
+            self.engine = LLMEngine(params, self.model_config, self.config,
                                     garbage_seed=garbage_seed, decode=decode)
         plan_times.__exit__()
         self.startup |= {"plan_s": time.perf_counter() - t1, "plan": plan_times.summary()}

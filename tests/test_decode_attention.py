@@ -1,5 +1,5 @@
 """The one-kernel decode attention (`pallas_kernels/decode_attention.py`, interpret mode on CPU, compiled under
--m gpu below) against the ragged XLA path it replaces in uniform steps (`ragged_forward.attention_ragged`):
+-m gpu below) against the ragged XLA path it replaces in uniform steps (`forward.attention_ragged`):
 the fused projection's split, q/k RMSNorms, RoPE, the KV write, attention over each row's pages, the gate."""
 
 import dataclasses
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from helpers import gpu_test, small_config
 
-from jaxgdn.engine import uniform_forward
-from jaxgdn.engine.ragged_forward import StepMeta, attention_ragged
+from jaxgdn.engine import forward
 from jaxgdn.engine.state import PagedKV
-from jaxgdn.engine.uniform_forward import RowView, decode_attention_rows, use_decode_attention_kernel
+from jaxgdn.engine.forward import RowView, StepMeta, attention_ragged, decode_attention_rows, use_decode_attention_kernel
 from jaxgdn.model.norms import DeferredNorm, inverse_rms
 from jaxgdn.model.params import init_random_params, serving_layout
 from jaxgdn.model.policy import KernelPolicy
@@ -216,9 +215,9 @@ def test_engine_fused_decode_kernels_switch(fused, form):
     policy = ecfg.kernel_policy("cpu").replace(mixer_rows=(1, 16), decode_attention_layout=layout)
     with pytest.MonkeyPatch.context() as m:  # counters around the kernels, traced afresh
         runner.clear_compiled_programs()
-        uniform_forward._uniform_layer.clear_cache()
-        m.setattr(uniform_forward, "gdn_mixer_pooled", counted("mixer", uniform_forward.gdn_mixer_pooled))
-        m.setattr(uniform_forward, "decode_attention_pooled", counted("attention", uniform_forward.decode_attention_pooled))
+        forward._layer.clear_cache()
+        m.setattr(forward, "gdn_mixer_pooled", counted("mixer", forward.gdn_mixer_pooled))
+        m.setattr(forward, "decode_attention_pooled", counted("attention", forward.decode_attention_pooled))
         m.setattr(decode_attention, "_merge_splits", counted("merge", decode_attention._merge_splits))
         eng = LLMEngine(params, cfg, ecfg, policy=policy)
         sp = SamplingParams(temperature=0, max_tokens=5)

@@ -32,8 +32,7 @@ def reference(p: list[int], n: int) -> list[int]:
 def engine(**kw) -> LLMEngine:
     base = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, kv_page_size=8, dtype="float32")
     garbage = kw.pop("garbage_seed", 7)
-    impl = kw.pop("input_impl", "xla")
-    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}), garbage_seed=garbage, input_impl=impl)
+    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}), garbage_seed=garbage)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, pytest.param(True, marks=pytest.mark.slow)])  # eager: test_spec_pd
@@ -206,7 +205,7 @@ def test_persistent_compilation_cache_switch(tmp_path, monkeypatch):
 
 def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
     """A step of decode rows runs in a ragged program (the default) or, in a launch of several steps, in a
-    uniform one ([R, 1] rows: `uniform_forward`); on the same step both must give the same tokens and state."""
+    uniform one ([R, 1] rows: `forward`); on the same step both must give the same tokens and state."""
     import jax
     import jax.numpy as jnp
 
@@ -238,7 +237,7 @@ def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
 
 
 def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
-    """forward_ragged calls each layer through its own jit (_ragged_layer), so the step's lowered module
+    """forward calls each layer through its own jit (_layer), so the step's lowered module
     holds one function per layer kind, called once per layer, and the compiled step is the same program as
     with the layers traced inline: XLA inlines the calls (no call left, same instruction counts)."""
     import collections
@@ -248,7 +247,7 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jaxgdn.engine import device_step, ragged_forward
+    from jaxgdn.engine import device_step, forward
     from jaxgdn.engine.step_layout import pack_step_arrays
 
     eng = engine()
@@ -262,20 +261,21 @@ def test_layers_are_one_nested_jit_per_kind_inlined_by_xla(monkeypatch):
     args = (eng.runner.params, eng.runner.state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf), layout, False)
 
     def lowered_and_compiled():
-        step = jax.jit(functools.partial(device_step.packed_step, cfg=CFG, policy=eng.policy, unguarded=False),
+        step = jax.jit(functools.partial(device_step.packed_step, cfg=CFG, policy=eng.policy,
+                                         reproduce_pd_mtp_bug=False),
                        static_argnums=(4, 5))
         lowered = step.lower(*args)
         return lowered.as_text(), lowered.compile().as_text()
 
     nested_module, nested = lowered_and_compiled()
     kinds = collections.Counter(CFG.layer_types)
-    layer_funcs = set(re.findall(r"func\.func private @(_ragged_layer\w*)", nested_module))
+    layer_funcs = set(re.findall(r"func\.func private @(_layer\w*)", nested_module))
     assert len(layer_funcs) == len(kinds), layer_funcs  # one lowered function per layer kind
-    assert len(re.findall(r"call @_ragged_layer", nested_module)) == len(CFG.layer_types)
-    inline = ragged_forward._ragged_layer.__wrapped__
-    monkeypatch.setattr(ragged_forward, "_ragged_layer", lambda *a, **k: inline(*a, **k))
+    assert len(re.findall(r"call @_layer", nested_module)) == len(CFG.layer_types)
+    inline = forward._layer.__wrapped__
+    monkeypatch.setattr(forward, "_layer", lambda *a, **k: inline(*a, **k))
     flat_module, flat = lowered_and_compiled()
-    assert "_ragged_layer" not in flat_module
+    assert not re.search(r"@_layer\b", flat_module)
 
     def opcodes(hlo):  # instruction opcodes of the optimized module, names and shapes dropped
         return collections.Counter(re.findall(r"= \S+ (\w[\w-]*)\(", hlo))

@@ -24,9 +24,9 @@ def test_pd_mtp_engine_on_gpu_equals_plain_greedy(input_impl, dv, gdn_impl):
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (1, 2, 3, 5, 9, 17, 40, 70)]
     ecfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, kv_page_size=8,
-                        dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl=gdn_impl)
-    P = PrefillWorker(params, cfg, ecfg, input_impl=input_impl, garbage_seed=1)
-    D = DecodeWorker(params, cfg, ecfg, input_impl=input_impl, garbage_seed=2)
+                        dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl=gdn_impl, input_impl=input_impl)
+    P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
+    D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)
     sp = SamplingParams(temperature=0, max_tokens=6)
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):

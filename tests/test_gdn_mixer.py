@@ -1,5 +1,5 @@
 """The one-kernel GDN mixer (`pallas_kernels/gdn_mixer.py`, interpret mode on CPU, compiled under -m gpu
-below) against the unfused chain it replaces in `uniform_forward.gdn_rows_pooled`: projection split, gates,
+below) against the unfused chain it replaces in `forward.gdn_rows_pooled`: projection split, gates,
 the pooled conv kernel, the pooled recurrence kernel and the gated norm."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 from helpers import gpu_test, small_config
 
 from jaxgdn.engine.state import GDNSlots
-from jaxgdn.engine.uniform_forward import RowView, gdn_rows_pooled, use_mixer_kernel
+from jaxgdn.engine.forward import RowView, gdn_rows_pooled, use_mixer_kernel
 from jaxgdn.model.norms import DeferredNorm, inverse_rms
 from jaxgdn.model.params import init_random_params, serving_layout
 from jaxgdn.model.policy import KernelPolicy

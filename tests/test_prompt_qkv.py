@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import gpu_test, real_width_config, small_config
 
-from jaxgdn.engine.ragged_forward import project_qkv_gate_flat, use_prompt_qkv_kernel
+from jaxgdn.engine.forward import project_qkv_gate_flat, use_prompt_qkv_kernel
 from jaxgdn.model.attention import project_qkv_gate
 from jaxgdn.model.params import init_random_params, serving_layout
 from jaxgdn.model.policy import KernelPolicy

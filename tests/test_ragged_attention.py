@@ -121,7 +121,7 @@ def test_engine_with_the_attention_kernel_equals_plain_greedy(monkeypatch):
     one-request greedy decoding."""
     from helpers import naive_greedy, small_config
 
-    from jaxgdn.engine import ragged_forward
+    from jaxgdn.engine import forward
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.request import SamplingParams
     from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
@@ -135,10 +135,10 @@ def test_engine_with_the_attention_kernel_equals_plain_greedy(monkeypatch):
                         dtype="float32", num_speculative_tokens=2, pd=True, attention_impl="pallas")
     calls = {"attention": 0, "qkv": 0}  # kernel calls while the steps trace
     for name, key in (("ragged_paged_attention", "attention"), ("prompt_qkv", "qkv")):
-        fn = getattr(ragged_forward, name)
-        monkeypatch.setattr(ragged_forward, name, lambda *a, fn=fn, key=key, **k: calls.update({key: calls[key] + 1})
+        fn = getattr(forward, name)
+        monkeypatch.setattr(forward, name, lambda *a, fn=fn, key=key, **k: calls.update({key: calls[key] + 1})
                             or fn(*a, **k))
-    ragged_forward._ragged_layer.clear_cache()
+    forward._layer.clear_cache()
     P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
     D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # NaN-free garbage in the pools: must not leak in
     sp = SamplingParams(temperature=0, max_tokens=5)

@@ -13,6 +13,7 @@ from ..model.policy import KernelPolicy
 # --async-scheduling on the command lines: its choices and the EngineConfig value each means
 ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
 KERNEL_CHOICES = ("auto", "xla", "pallas")  # gdn_impl and attention_impl
+INPUT_IMPLS = ("xla", "pallas", "triton")  # input_impl
 LIBRARY_GEMMS_MIN_TOKENS = KernelPolicy().library_gemms_min_tokens
 
 
@@ -39,6 +40,8 @@ class EngineConfig:
       the GDN slots, the largest step program's temporaries, and the KV pages, which get what remains.
     enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
     dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
+    input_impl: the input-assembly kernel (`pallas_kernels/input_assembly.py`): "xla", "pallas" (Triton
+      through Pallas; interpret mode off the GPU) or "triton" (jax-triton).
     gdn_impl / attention_impl: the layers' kernels (`KernelPolicy`): "auto" (the Pallas kernels on a GPU, the
       XLA forms elsewhere), "xla" (the XLA forms everywhere) or "pallas" (the kernels also off the GPU, in
       interpret mode: for tests).
@@ -86,6 +89,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     dtype: str = "bfloat16"
+    input_impl: str = "xla"
     gdn_impl: str = "auto"
     attention_impl: str = "auto"
     num_speculative_tokens: int = 0
@@ -113,6 +117,7 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in ("bfloat16", "float32"), "dtype must be 'bfloat16' or 'float32'"),
             (0 <= self.num_speculative_tokens <= 3, "num_speculative_tokens must be in 0..3"),
+            (self.input_impl in INPUT_IMPLS, f"input_impl must be one of {INPUT_IMPLS}"),
             (self.attention_impl in KERNEL_CHOICES, "attention_impl must be 'auto', 'xla' or 'pallas'"),
             (self.gdn_impl in KERNEL_CHOICES, "gdn_impl must be 'auto', 'xla' or 'pallas'"),
             (self.async_scheduling is not True or not self.pd,
@@ -159,14 +164,13 @@ class EngineConfig:
             return 4 if platform in ("gpu", "cuda", "rocm") else 1
         return self.decode_steps_per_launch
 
-    def kernel_policy(self, platform: str, input_impl: str = "xla") -> KernelPolicy:
-        """The engine's KernelPolicy on a device platform ("gpu", "cpu", ...); input_impl: the input-assembly
-        kernel ("xla", "pallas", "triton")."""
+    def kernel_policy(self, platform: str) -> KernelPolicy:
+        """The engine's KernelPolicy on a device platform ("gpu", "cpu", ...)."""
         gpu = platform in ("gpu", "cuda", "rocm")
         wanted = lambda impl: impl == "pallas" or (impl == "auto" and gpu)  # noqa: E731
         return KernelPolicy(attention_kernels=wanted(self.attention_impl), gdn_kernels=wanted(self.gdn_impl),
                             fused_decode=self.fused_decode_kernels,
-                            library_gemms_min_tokens=self.library_gemms_min_tokens, input_impl=input_impl)
+                            library_gemms_min_tokens=self.library_gemms_min_tokens, input_impl=self.input_impl)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

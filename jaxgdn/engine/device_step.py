@@ -16,12 +16,11 @@ from ..model.config import ModelConfig
 from ..model.parallel import head_argmax, head_logits
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
-from .ragged_forward import StepMeta, forward_ragged, mtp_ragged
+from .forward import StepMeta, forward, mtp_ragged
 from .sampling import position_keys
 from .spec_decode import verify_drafts
 from .state import NULL_PAGE, EngineState, PagedKV
 from .step_layout import StepArrays, unpack_step_arrays
-from .uniform_forward import forward_uniform
 
 
 def packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
@@ -37,7 +36,7 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
     stochastic (static): some row samples with temperature > 0.
     width (static): 0 for a ragged program; > 0 for a uniform one (every real row `width` tokens), whose
-    token mixers view the stream as [R, width] (`uniform_forward`, the decode kernels).
+    token mixers view the stream as [R, width] (`forward.RowView`, the decode kernels).
     num_steps (static): > 1 runs that many model steps in one launch of a uniform program (every row a
     1-token decode row, or every row an MTP verify window of 1+K): step j sees the arrays advanced by the
     tokens each row committed in steps 0..j-1 (_advance_rows; 1 a step for decode rows, the accepted
@@ -121,7 +120,7 @@ def _step_meta(a: StepArrays) -> StepMeta:
 
 
 def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg: ModelConfig,
-                 policy: KernelPolicy, unguarded: bool, stochastic: bool = True, width: int = 0):
+                 policy: KernelPolicy, reproduce_pd_mtp_bug: bool, stochastic: bool = True, width: int = 0):
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a.idx_mapping.shape[0]
@@ -133,13 +132,10 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     num_logits = R * W
     ids, logits_indices = combine_sampled_and_draft_tokens(
         a.input_ids, idx, state.last_sampled, a.query_start_loc, a.seq_lens, a.prefill_len,
-        draft_tokens, a.cu_num_logits, num_logits=num_logits, unguarded=unguarded, impl=policy.input_impl,
+        draft_tokens, a.cu_num_logits, num_logits=num_logits, unguarded=reproduce_pd_mtp_bug, impl=policy.input_impl,
     )
     meta = _step_meta(a)
-    if width:
-        hidden, state = forward_uniform(params, cfg, ids, meta, width, state, policy)
-    else:
-        hidden, state = forward_ragged(params, cfg, ids, meta, state, policy)
+    hidden, state = forward(params, cfg, ids, meta, state, policy, width)
 
     # Logits rows as [R, 1+K]: row b's i-th logits row is cu[b] + i; it reads the token at flat index
     # logits_indices[cu[b] + i], and the draft it verifies sits at the next flat index.

@@ -38,10 +38,10 @@ class LLMEngine:
     (None: the first N devices). memory_share: the part of the memory budget left on the device this engine
     takes (a PD prefill worker beside its decode worker); memory_reserved: bytes other engines on the device
     need beyond what they hold now (the decode worker plans around its prefill worker's step temporaries).
-    input_impl: the input-assembly kernel; policy: the kernel policy (default `ecfg.kernel_policy` for the
+    policy: the kernel policy (default `ecfg.kernel_policy` for the
     device's platform). garbage_seed: fill every state buffer with garbage (slot-hygiene tests)."""
 
-    def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *, input_impl: str = "xla",
+    def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *,
                  garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
                  memory_share: float = 1.0, memory_reserved: int = 0, policy: KernelPolicy | None = None, mesh=None):
         self.cfg, self.ecfg = cfg, ecfg
@@ -62,7 +62,7 @@ class LLMEngine:
         self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
         self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
         self.block_q = block_queries(self.step_cfg.num_attention_heads, self.step_cfg.num_key_value_heads)
-        self.policy = policy or ecfg.kernel_policy(platform, input_impl)
+        self.policy = policy or ecfg.kernel_policy(platform)
         self.runner = ModelRunner(params, cfg, None, policy=self.policy, reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug,
                                   device=None if self.mesh else self.device,
                                   rebases=ecfg.uses_async_scheduling and self.K > 0,

@@ -112,7 +112,7 @@ def _release_step(user, settings) -> None:
         del _STEP_USERS[settings]
 
 
-def _make_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases: bool = False,
+def _make_step(cfg: ModelConfig, policy: KernelPolicy, reproduce_pd_mtp_bug: bool, rebases: bool = False,
                library_gemms: bool = False, mesh=None):
     """One jitted step function per static setting. library_gemms: compile with LIBRARY_GEMM_OPTIONS (no
     effect off the GPU). mesh: a tensor-parallel mesh of more than one device runs the step per shard
@@ -120,7 +120,8 @@ def _make_step(cfg: ModelConfig, policy: KernelPolicy, unguarded: bool, rebases:
     tp = mesh_size(mesh)
     if tp > 1:
         cfg, policy = local_config(cfg, tp), policy.replace(tp_axis=TP)
-    step = functools.partial(packed_step, cfg=cfg, policy=policy, unguarded=unguarded, rebases=rebases)
+    step = functools.partial(packed_step, cfg=cfg, policy=policy, reproduce_pd_mtp_bug=reproduce_pd_mtp_bug,
+                             rebases=rebases)
     return jax.jit(sharded_step(step, mesh) if tp > 1 else step,
                    donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7),
                    compiler_options=LIBRARY_GEMM_OPTIONS if library_gemms else None)

@@ -67,14 +67,14 @@ def build_state(args):
         from ..model.tokenizer import load_tokenizer
         from .engine_process import EngineClient
 
-        front = EngineClient(str(model), engine_config(args), input_impl=args.input_impl,
+        front = EngineClient(str(model), engine_config(args),
                              max_waiting=args.max_waiting, log_level=args.log_level)
         tokenizer = None if str(model) in PRESETS else load_tokenizer(model)
     else:
         from ..llm import LLM
         from .async_engine import AsyncEngine
 
-        llm = LLM(str(model), engine_config(args), input_impl=args.input_impl, role=args.role)
+        llm = LLM(str(model), engine_config(args), role=args.role)
         front, tokenizer = AsyncEngine(llm.engine, llm.prefill_worker, max_waiting=args.max_waiting).start(), llm.tokenizer
     return ServerState(front=front, model_name=args.served_model_name or Path(str(model)).name,
                        tokenizer=tokenizer, role=args.role,

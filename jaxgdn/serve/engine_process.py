@@ -38,7 +38,7 @@ class Limits:
 
 
 # ---------------------------------------------------------------------------------------------- engine process
-def _engine_main(conn, model: str, config: EngineConfig, input_impl: str, log_level: str) -> None:
+def _engine_main(conn, model: str, config: EngineConfig, log_level: str) -> None:
     """The engine process: build the LLM, say "ready" (or "failed"), then serve the pipe's commands until
     "stop" or the API process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the API process, which stops us
@@ -47,7 +47,7 @@ def _engine_main(conn, model: str, config: EngineConfig, input_impl: str, log_le
     from .async_engine import AsyncEngine
 
     try:
-        llm = LLM(model, config, input_impl=input_impl)
+        llm = LLM(model, config)
     except Exception as e:  # noqa: BLE001 - the API process reports it and exits
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -118,11 +118,11 @@ class EngineClient:
     builds the engine there (compiling every step program) and returns once it is ready; a configuration that
     cannot be built raises ValueError with the engine's message."""
 
-    def __init__(self, model: str, config: EngineConfig, *, input_impl: str = "xla", max_waiting: int = 4096,
+    def __init__(self, model: str, config: EngineConfig, *, max_waiting: int = 4096,
                  log_level: str = "info"):
         ctx = multiprocessing.get_context("spawn")  # JAX and threads do not survive a fork
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_engine_main, args=(child, model, config, input_impl, log_level),
+        self.process = ctx.Process(target=_engine_main, args=(child, model, config, log_level),
                                    name="jaxgdn-engine", daemon=True)
         self.process.start()
         child.close()
