@@ -191,10 +191,3 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", g
         raise ValueError(f"unknown GDN implementation {impl!r}; available: {available_gdn_impls()}") from None
     return fn(q, k, v, g, beta, initial_state)
 
-
-def gated_delta_rule_checkpoints(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
-    """(o, final_state, states [B, T, Hv, dk, dv]): the state after every step, for spec verification.
-    The Pallas recurrent kernel on a GPU unless impl names an XLA form; the checkpointing scan otherwise."""
-    if impl in ("pallas", "pallas_recurrent") or (impl == "auto" and on_gpu()):
-        return gdn_recurrent_pallas(q, k, v, g, beta, initial_state, keep_states=True)
-    return gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state)

@@ -11,8 +11,14 @@ from helpers import gpu_test
 
 from jaxgdn.engine.pools import read_conv, write_conv
 from jaxgdn.engine.state import GDNSlots
-from jaxgdn.model.gdn import causal_conv_silu, conv_checkpoint_inputs
+from jaxgdn.model.gdn import causal_conv_silu
 from pallas_kernels.conv_pallas import causal_conv_pooled, causal_conv_prompt, conv_kernel_supports
+
+
+def conv_checkpoint_inputs(window, mixed, spec_window: int):
+    """Inputs 1 .. Kc-1+K of [window ‖ mixed] ([B, Kc-1+K, C], K = spec_window <= T-1): the conv window
+    after accepting a tokens of a verify window is [a-1 : a-1+Kc-1] of it."""
+    return jnp.concatenate([window[:, 1:].astype(mixed.dtype), mixed[:, : spec_window + 1]], axis=1)
 
 
 def conv_case(seed=0, T=3, K=2, C=48, extra=8, Kc=4, dtype=jnp.float32):

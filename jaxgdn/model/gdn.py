@@ -8,12 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
-from pallas_kernels.gdn import (
-    gated_delta_rule,
-    gated_delta_rule_checkpoints,
-    runs_chunked_pallas,
-    use_prompt_conv_kernel,
-)
+from pallas_kernels.gdn import gated_delta_rule, runs_chunked_pallas, use_prompt_conv_kernel
 from pallas_kernels.gdn_pallas import GateSource, OutputGate
 
 from .cache import GDNState, empty_gdn_state
@@ -57,12 +52,6 @@ def conv_window_after(window, mixed, num_valid=None):
     from_mixed = jnp.take_along_axis(mixed, jnp.clip(at - Km1, 0, T - 1)[..., None], axis=1)
     from_window = jnp.take_along_axis(window, jnp.clip(at, 0, Km1 - 1)[..., None], axis=1)
     return jnp.where((at < Km1)[..., None], from_window, from_mixed)
-
-
-def conv_checkpoint_inputs(window, mixed, spec_window: int):
-    """Inputs 1 .. Kc-1+K of [window ‖ mixed] ([B, Kc-1+K, C], K = spec_window <= T-1): the conv window
-    after accepting a tokens of a verify window is [a-1 : a-1+Kc-1] of it."""
-    return jnp.concatenate([window[:, 1:].astype(mixed.dtype), mixed[:, : spec_window + 1]], axis=1)
 
 
 def gdn_gates(p, a, b):
@@ -154,42 +143,21 @@ def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False):
     return linear(y.reshape(B, T, -1), p.out_proj)
 
 
-def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto", num_valid=None,
-              spec_window: int = 0):
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto", num_valid=None):
     """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros);
     num_valid: optional [B] real tokens per row. Padded steps get g = 0 and beta = 0, so they neither
-    decay nor write the state: padding is a no-op.
-
-    spec_window = K > 0 also returns verification checkpoints for the first 1+K positions of each row:
-    a GDNState with conv [B, Kc-1+K, C] = inputs 1 .. Kc-1+K of [window ‖ x] (the window after
-    accepting a tokens is conv[a-1 : a-1+Kc-1]) and ssm [B, 1+K, Hv, dk, dv] (state after each position).
-
-    Returns (out [B, T, H], new GDNState) or, with spec_window, (out, new GDNState, checkpoints).
-    """
+    decay nor write the state: padding is a no-op. Returns (out [B, T, H], new GDNState)."""
     B, T, _ = x.shape
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
     inp = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
-    q, k, v, g, beta = inp.q, inp.k, inp.v, inp.g, inp.beta
-    W = spec_window + 1  # the caller guarantees T >= 1 + K
-    fused_norm = False
-    if spec_window and T == W:  # one pass gives the output, the final state and every checkpoint
-        o, ssm, states = gated_delta_rule_checkpoints(q, k, v, g, beta, state.ssm, impl=impl)
-    else:
-        # Where the chunked Pallas kernel runs, it stores its output in z's dtype for the gated norm (XLA)
-        # rather than in fp32: half the bytes to memory and back.
-        fused_norm = runs_chunked_pallas(impl, T)
-        gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
-        # There, with fused weights, its prep kernel also computes g and beta from the product in place.
-        gates = inp.gates if fused_norm else None
-        kernel_gates = (g, beta) if gates is None else (None, None)
-        o, ssm = gated_delta_rule(q, k, v, *kernel_gates, state.ssm, impl=impl, gate=gate, gates=gates)
-        if spec_window:
-            head = lambda a: a[:, :W]  # noqa: E731
-            _, _, states = gated_delta_rule_checkpoints(head(q), head(k), head(v), head(g), head(beta), state.ssm,
-                                                        impl=impl)
+    # Where the chunked Pallas kernel runs, it stores its output in z's dtype for the gated norm (XLA) rather
+    # than in fp32: half the bytes to memory and back.
+    fused_norm = runs_chunked_pallas(impl, T)
+    gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
+    # There, with fused weights, its prep kernel also computes g and beta from the product in place.
+    gates = inp.gates if fused_norm else None
+    kernel_gates = (inp.g, inp.beta) if gates is None else (None, None)
+    o, ssm = gated_delta_rule(inp.q, inp.k, inp.v, *kernel_gates, state.ssm, impl=impl, gate=gate, gates=gates)
     out = gdn_output(p, cfg, o, inp.z, x.dtype, normed=fused_norm)
-    if not spec_window:
-        return out, GDNState(conv=inp.conv, ssm=ssm)
-    checkpoints = GDNState(conv=conv_checkpoint_inputs(state.conv, inp.mixed, spec_window), ssm=states)
-    return out, GDNState(conv=inp.conv, ssm=ssm), checkpoints
+    return out, GDNState(conv=inp.conv, ssm=ssm)
