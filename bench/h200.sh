@@ -4,7 +4,7 @@
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
 #     -d gpu_wheels fastapi uvicorn httptools uvloop aiohttp             (the server and its benchmark client)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
-#                                     serve-http serve-c64 serve-c256 serve-pd-mtp decode prefill spec kernels pd;
+#                                     serve-http serve-pd-mtp decode prefill spec kernels pd;
 #                                     on two GPUs (device kind
 #                                     nvidia-h200-x2), not in the default list: tp-9b tp-27b
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-c64 serve-c256 serve-pd-mtp decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-pd-mtp decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -39,19 +39,21 @@ for step in $steps; do
     # the mixed workload users reported: 128 requests, prompts 256-1024, outputs 32-256
     serve-mixed) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 128 --input-len 256 1024 \
              --output-len 32 256 --max-num-seqs 64 --max-num-batched-tokens 8192 --out "$dest/serve-mixed_gpu_$stamp.json" ;;
-    # the server over HTTP at 64 and at 256 requests in flight (serve-http-c64, -c256), the server's log
+    # the server over HTTP at 64 and at 256 requests in flight (serve-http-c64, -c256), then the same workloads
+    # in-process on the programs the server compiled (serve-c64, -c256: one process on its cache)
     serve-http)
-      python3 -m jaxgdn.serve --model qwen3.5-0.8b --port 8000 > "$dest/serve-http-server_$stamp.txt" 2>&1 &
+      export JAXGDN_CACHE_DIR=/tmp/jaxgdn-serve-http-cache
+      python3 -m jaxgdn.serve --model qwen3.5-0.8b --port 8000 > /tmp/serve-http-server.txt 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+      grep "start-up" /tmp/serve-http-server.txt
       for c in 64 256; do
-        timeout 200 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b --num-prompts 1000 \
+        timeout 100 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b --num-prompts 1000 \
           --max-concurrency $c --http-repeat 0 --out "$dest/serve-http-c${c}_gpu_$stamp.json"; done
-      kill $server ;;
-    # the same workloads in-process, each in a fresh process (cold and warm start-up, as `serve`)
-    serve-c64|serve-c256)
-      timeout 400 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --max-concurrency ${step#serve-c} \
-        --no-peer --out "$dest/${step}_gpu_$stamp.json" ;;
+      kill $server; wait $server
+      for c in 64 256; do
+        timeout 120 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --max-concurrency $c --no-peer \
+          --cache-dir $JAXGDN_CACHE_DIR --out "$dest/serve-c${c}_gpu_$stamp.json"; done ;;
     # PD + MTP K = 2 at the default configuration, both workers on the one GPU
     serve-pd-mtp) timeout 500 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
       --num-speculative-tokens 2 --no-peer --out "$dest/serve-pd-mtp_gpu_$stamp.json" ;;

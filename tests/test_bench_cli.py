@@ -140,3 +140,14 @@ def test_serve_bench_runs_a_workload_cold_and_warm_with_no_compile_after_start_u
     assert cold["bound"]["total_s"] > 0 and cold["warm"]["fraction_of_bound"] > 0
     peer = d["transformers"]
     assert peer.get("wall_s", 0) > 0 or "error" in peer
+
+    # --cache-dir: one process on a given cache (a server's, for an in-process comparison), no second start-up
+    cache = tmp_path / "server-cache"
+    one = run(tmp_path, "serve", "--model", TINY, "--num-prompts", "10", "--input-len", "8", "40", "--output-len", "4",
+              "12", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "96", "--no-peer",
+              "--cache-dir", str(cache), "--matmul-size", "128", "--bandwidth-bytes", "1000000")
+    assert "warm_cache_startup" not in one and str(cache) in one["note"] and cache.is_dir()
+    assert one["cold_process"]["warm"]["output_tokens"] == want_outputs
+    from jaxgdn.bench.tables import serve_table
+
+    assert any(str(cache) in line for line in serve_table(one))

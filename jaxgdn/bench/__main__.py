@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")
     sv.add_argument("--child", choices=["workload", "startup"], default=None, help=argparse.SUPPRESS)
-    sv.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)  # a child's compilation cache
+    sv.add_argument("--cache-dir", default=None, metavar="DIR",
+                    help="run one process on the compilation cache DIR that an earlier run filled (e.g. a server's "
+                         "$JAXGDN_CACHE_DIR), instead of an empty one and then a start-up on it")
     c = add("comm", "collectives of a tensor-parallel decode step, from its lowered program (CPU: set "
                     "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     c.add_argument("--model", nargs="+", default=["qwen3.5-9b", "qwen3.5-27b"], help="presets")

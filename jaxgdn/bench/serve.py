@@ -263,18 +263,26 @@ def peer_transformers(args, requests) -> dict:
 
 
 def bench_serve(args) -> dict:
-    cache_dir = tempfile.mkdtemp(prefix="jaxgdn-serve-cache-")
+    """A process on an empty compilation cache (start-up, the workload cold and warm), then a start-up on the
+    cache it filled; with --cache-dir one process on that cache (filled by an earlier run: a server's, for an
+    in-process comparison on the same programs)."""
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxgdn-serve-cache-")
     cold = _child(args, "workload", cache_dir)
-    warm_start = _child(args, "startup", cache_dir)
+    warm_start = None if args.cache_dir else _child(args, "startup", cache_dir)
     payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
                "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
                    "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd")},
-               "cold_process": cold, "warm_cache_startup": warm_start}
+               "cold_process": cold}
+    if warm_start is None:
+        payload["note"] = f"one process on the compilation cache {args.cache_dir} an earlier run filled"
+    else:
+        payload["warm_cache_startup"] = warm_start
     args.save_partial(payload)
     w = cold["warm"]
-    print(f"start-up {cold['startup_s']:.1f} s (cache filled: {warm_start['startup_s']:.1f} s), "
+    filled = f"{warm_start['startup_s']:.1f}" if warm_start else "-"
+    print(f"start-up {cold['startup_s']:.1f} s (cache filled: {filled} s), "
           f"{cold['programs']} programs; cold {cold['cold']['from_process_start_s']:.1f} s from process start, "
           f"warm {w['wall_s']:.2f} s: {w['total_tokens_per_s']:.0f} tok/s total, {w['output_tokens_per_s']:.0f} out, "
           f"{w['fraction_of_bound']:.0%} of the bound; TTFT p50 {w['ttft_ms']['p50']:.0f} ms, TPOT p50 "
