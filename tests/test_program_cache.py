@@ -27,7 +27,7 @@ def start_and_generate(path) -> tuple[dict, list, list]:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         assert llm.compiles_after_startup == 0
         r = llm.engine.runner
-        files = [program_cache.program_cache().path(r._shared_key(key)) for key in r.program_keys]
+        files = [runner.program_cache().path(r._shared_key(key)) for key in r.program_keys]
         return llm.startup, [o.token_ids for o in outs], files
 
 
@@ -70,7 +70,7 @@ def test_stored_program_round_trips(tmp_path):
 def test_off_a_gpu_only_jax_cache_serves():
     if jax.devices()[0].platform == "gpu":
         pytest.skip("on a GPU the program cache serves")
-    assert program_cache.program_cache() is None
+    assert runner.program_cache() is None
 
 
 def test_key_covers_the_source_and_the_launch(tmp_path, monkeypatch):
@@ -83,6 +83,5 @@ def test_key_covers_the_source_and_the_launch(tmp_path, monkeypatch):
         m.setattr(program_cache, "source_digest", lambda: "edited source")
         assert cache.path(key) != before
     assert cache.path(key) == before
-    monkeypatch.setenv("XLA_FLAGS", "--xla_some_flag=1")
-    assert cache.path(key) != before
-    assert jax.devices()[0].platform in repr(program_cache._environment())
+    assert program_cache.ProgramCache(tmp_path, xla_flags="--xla_some_flag=1").path(key) != before
+    assert jax.devices()[0].platform in repr(cache.environment)

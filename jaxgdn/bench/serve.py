@@ -276,7 +276,7 @@ def bench_serve(args) -> dict:
                    "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd")},
                "cold_process": cold}
     if warm_start is None:
-        payload["note"] = f"one process on the compilation cache {args.cache_dir} an earlier run filled"
+        payload["note"] = f"one process on the compilation cache {args.cache_dir} as earlier runs left it"
     else:
         payload["warm_cache_startup"] = warm_start
     args.save_partial(payload)

@@ -4,7 +4,7 @@ JAX's persistent compilation cache keys a program by its lowered module, so ever
 and lowers each step program (most of a start-up on a filled cache). This cache keys a program by what
 determines it instead: jaxgdn's source, the JAX and XLA versions and flags, the device, the engine's static
 settings, the launch key and the shapes of the weights and state. A hit deserializes the executable.
-It lives beside JAX's cache (`enable_compilation_cache`), in its `jaxgdn-programs` folder, on GPUs.
+It lives beside JAX's cache, in its `jaxgdn-programs` folder, on GPUs (`runner.program_cache`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def _environment() -> tuple:
+def _environment(xla_flags: str) -> tuple:
     """What besides the code and the shapes decides a compiled program: versions, flags, the devices."""
     import jaxlib
 
     devices = jax.devices()
-    return (jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""), devices[0].client.platform,
+    return (jax.__version__, jaxlib.__version__, xla_flags, devices[0].client.platform,
             devices[0].client.platform_version, tuple(d.device_kind for d in devices),
             jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
             str(jax.config.jax_default_prng_impl))
@@ -64,13 +64,15 @@ def _prepare_runtime() -> None:
 
 
 class ProgramCache:
-    """Serialized compiled programs in `directory`, one file per key (any repr-stable tuple)."""
+    """Serialized compiled programs in `directory`, one file per key (any repr-stable tuple); xla_flags: the
+    process's $XLA_FLAGS, part of every key."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, xla_flags: str = ""):
         self.directory = Path(directory)
+        self.environment = _environment(xla_flags)
 
     def path(self, key: tuple) -> Path:
-        digest = hashlib.sha256(repr((source_digest(), _environment(), key)).encode()).hexdigest()
+        digest = hashlib.sha256(repr((source_digest(), self.environment, key)).encode()).hexdigest()
         return self.directory / f"{digest}.program"
 
     def load(self, key: tuple):
@@ -115,11 +117,3 @@ class ProgramCache:
             logger.warning("program cache: not stored (%s)", e)
             Path(tmp).unlink(missing_ok=True)
 
-
-def program_cache() -> ProgramCache | None:
-    """The cache beside JAX's persistent compilation cache on a GPU, or None when that is off or off a GPU (a
-    loaded XLA:CPU program once failed to find one of its own kernels; there JAX's cache serves alone)."""
-    directory = jax.config.jax_compilation_cache_dir
-    if not directory or jax.devices()[0].platform != "gpu":
-        return None
-    return ProgramCache(Path(directory) / "jaxgdn-programs")

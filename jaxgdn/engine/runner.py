@@ -21,7 +21,7 @@ from ..model.config import ModelConfig
 from ..model.params import ModelParams
 from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .device_step import packed_step
-from .program_cache import program_cache
+from .program_cache import ProgramCache
 from .state import EngineState
 from .step_layout import StepArrays, pack_step_arrays
 from .tensor_parallel import TP, local_config, mesh_size, sharded_step
@@ -48,6 +48,24 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
         raise ValueError(f"$JAXGDN_CACHE_MIN_COMPILE_S must be a number of seconds, got {floor!r}") from None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", floor_s)
     return directory
+
+
+def program_cache() -> ProgramCache | None:
+    """The cache of compiled step programs beside JAX's persistent compilation cache on a GPU, or None when that
+    is off or off a GPU (a loaded XLA:CPU program once failed to find one of its own kernels; there JAX's cache
+    serves alone)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or jax.devices()[0].platform != "gpu":
+        return None
+    return ProgramCache(os.path.join(directory, "jaxgdn-programs"), os.environ.get("XLA_FLAGS", ""))
+
+
+def _compile_and_keep(lowered, shared_key: tuple, disk: ProgramCache | None):
+    """lowered.compile(), stored under shared_key in the program cache disk (None: off)."""
+    program = lowered.compile()
+    if disk:
+        disk.store(shared_key, program)
+    return program
 
 
 class LaunchArgs(NamedTuple):
@@ -209,11 +227,7 @@ class ModelRunner:
         disk = program_cache()
         shared = self._shared_key(key, state)
         program = disk.load(shared) if disk else None
-        if program is None:
-            program = self.lower(*key, state=state).compile()
-            if disk:
-                disk.store(shared, program)
-        return program
+        return program if program is not None else _compile_and_keep(self.lower(*key, state=state), shared, disk)
 
     def _cached(self, key: tuple):
         """The launch's program from this runner's or the process-wide cache, or None."""
@@ -253,19 +267,12 @@ class ModelRunner:
         if not todo:
             return
         disk = program_cache()
-
-        def compile_and_keep(lowered, key):
-            program = lowered.compile()
-            if disk:
-                disk.store(self._shared_key(key), program)
-            return program
-
         with concurrent.futures.ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 1)) as pool:
             loaded = dict(zip(todo, pool.map(lambda k: disk.load(self._shared_key(k)), todo))) if disk else {}
             futures = {}
             for key in todo:  # loaded ones first, then each miss lowered here and compiled on the pool
                 if loaded.get(key) is None:
-                    futures[pool.submit(compile_and_keep, self.lower(*key), key)] = key
+                    futures[pool.submit(_compile_and_keep, self.lower(*key), self._shared_key(key), disk)] = key
                 else:
                     self._store(key, loaded[key])
                     if on_compiled:
