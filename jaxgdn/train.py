@@ -82,7 +82,7 @@ class Batches:
         return ids, mask
 
 
-def make_loss(cfg: ModelConfig, mtp_weight: float, compute_dtype, gdn_impl: str = "chunked"):
+def make_loss(cfg: ModelConfig, mtp_weight: float, compute_dtype, gdn_chunked: bool = True):
     """loss(params, ids, mask) -> (total, (trunk CE, MTP CE, trunk answer-token accuracy))."""
     import jax
     import jax.numpy as jnp
@@ -99,7 +99,7 @@ def make_loss(cfg: ModelConfig, mtp_weight: float, compute_dtype, gdn_impl: str 
     def loss(params, ids, mask):
         p = cast_params(cfg, params, compute_dtype)  # fp32 master weights, forward in compute_dtype
         inputs, targets, w = ids[:, :-1], ids[:, 1:], mask[:, 1:]
-        logits, hidden, _ = forward(p, cfg, inputs, gdn_impl=gdn_impl)
+        logits, hidden, _ = forward(p, cfg, inputs, gdn_chunked=gdn_chunked)
         trunk = ce(logits, targets, w)
         # MTP at position i: hidden h_i + embedding of t_{i+1} -> t_{i+2}
         mtp_logits, _, _ = mtp_forward(p, cfg, hidden[:, :-1], inputs[:, 1:])
@@ -126,9 +126,10 @@ def parse_args(argv=None):
     ap.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0, help="init and data stream")
-    ap.add_argument("--gdn-impl", default=None,
-                    help="GDN implementation of the training forward (default: chunked on GPU, scan on CPU, "
-                         "where jaxlib 0.10's batched LAPACK triangular solve can deadlock under jax.grad)")
+    ap.add_argument("--gdn-chunked", action=argparse.BooleanOptionalAction, default=None,
+                    help="the GDN recurrence's chunked form in the training forward, else the token scan (default: "
+                         "chunked on GPU, scan on CPU, where jaxlib 0.10's batched LAPACK triangular solve can "
+                         "deadlock under jax.grad)")
     ap.add_argument("--eval-every", type=int, default=500, help="validation loss every N steps (0 = off)")
     ap.add_argument("--log-every", type=int, default=50)
     return ap.parse_args(argv)
@@ -144,11 +145,11 @@ def main(argv=None) -> int:
     from .model.checkpoint import save_checkpoint
     from .model.params import cast_params, init_random_params
 
-    if args.gdn_impl is None:
+    if args.gdn_chunked is None:
         # Seen with jaxlib 0.10.2 on a 2-core CPU: two triangular-solve custom calls of the backward
         # running at once wait on each other's thread-pool tasks forever (ParallelBatchMap). The scan
         # has no triangular solve.
-        args.gdn_impl = "scan" if jax.default_backend() == "cpu" else "chunked"
+        args.gdn_chunked = jax.default_backend() != "cpu"
     tok = task.build_tokenizer()
     cfg = tiny_config(tok.get_vocab_size(), args.hidden, args.layers)
     params = init_random_params(cfg, seed=args.seed, dtype=jnp.float32)
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
     opt_state = opt.init(params)
-    loss_fn = make_loss(cfg, args.mtp_weight, jnp.dtype(args.compute_dtype), args.gdn_impl)
+    loss_fn = make_loss(cfg, args.mtp_weight, jnp.dtype(args.compute_dtype), args.gdn_chunked)
 
     @jax.jit
     def train_step(params, opt_state, ids, mask):

@@ -30,11 +30,14 @@ def test_kernels_bench_checks_ours_against_the_reference(tmp_path):
     from jaxgdn.bench.tables import floor_bytes_ratio, kernels_table
 
     assert "ours kernels µs" in kernels_table(d)[0]
-    # only the verify window's checkpoints (T=3 fp32 states per row and head) part our byte floor from fla's:
-    # bytes of q/k/v (bf16), g/beta, o (fp32) and the state in and out, plus B*T*H*d*d*4
+    # the verify window's checkpoints (T=3 fp32 states per row and head) and prefill's fp32 o (fla's is bf16) part
+    # our byte floor from fla's: bytes of q/k/v (bf16), g/beta, o and the state in and out, plus B*T*H*d*d*4
     prefill, decode, verify = (floor_bytes_ratio(r) for r in d["rows"])
-    assert prefill == decode == 1.0 and verify == pytest.approx(1 + 3 * 2 * 2 * 16 * 16 * 4 / (
+    assert decode == 1.0 and verify == pytest.approx(1 + 3 * 2 * 2 * 16 * 16 * 4 / (
         2 * 3 * 2 * (16 * 2 * 3 + 8 + 16 * 4) + 2 * 2 * 2 * 16 * 16 * 4))
+    state, tokens = 2 * 1 * 2 * 16 * 16 * 4, 70 * 2
+    assert prefill == pytest.approx((tokens * (16 * 2 * 3 + 8 + 16 * 4) + state) / (tokens * (16 * 2 * 3 + 8 + 16 * 2)
+                                                                                      + state))
 
 
 @pytest.mark.parametrize("command, extra", [

@@ -66,8 +66,8 @@ def test_conv_window_holds_last_inputs_zero_padded():
 
 def test_chunked_and_scan_models_agree():
     ids = random_ids(CFG, 2, 130, seed=9)
-    a = np.asarray(forward(PARAMS, CFG, ids, gdn_impl="chunked")[0])
-    b = np.asarray(forward(PARAMS, CFG, ids, gdn_impl="scan")[0])
+    a = np.asarray(forward(PARAMS, CFG, ids, gdn_chunked=True)[0])
+    b = np.asarray(forward(PARAMS, CFG, ids, gdn_chunked=False)[0])
     assert np.abs(a - b).max() <= TOL
 
 

@@ -1,4 +1,4 @@
-"""The one-kernel GDN mixer (`pallas_kernels/gdn_mixer.py`, interpret mode on CPU, compiled under -m gpu
+"""The one-kernel GDN mixer (`pallas_kernels/gdn_decode.py`, interpret mode on CPU, compiled under -m gpu
 below) against the unfused chain it replaces in `forward.gdn_rows_pooled`: projection split, gates,
 the pooled conv kernel, the pooled recurrence kernel and the gated norm."""
 
@@ -15,7 +15,7 @@ from jaxgdn.engine.forward import RowView, gdn_rows_pooled, use_mixer_kernel
 from jaxgdn.model.norms import DeferredNorm, inverse_rms
 from jaxgdn.model.params import init_random_params, serving_layout
 from jaxgdn.model.policy import KernelPolicy
-from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
+from pallas_kernels.gdn_decode import gdn_mixer_pooled, mixer_kernel_supports
 
 
 def mixer_case(T, K, dtype, seed=0, Hk=2, Hv=4, dk=16, dv=32):

@@ -1,5 +1,5 @@
 """The GDN layer's ragged forms: the conv and the recurrence references against per-row dense computations
-(`gdn.causal_conv_silu`, `gdn_recurrent_reference`), and the Pallas kernels (interpret mode on CPU, compiled
+(`jaxgdn.model.gdn.causal_conv_silu`, `gdn_recurrent_reference`), and the Pallas kernels (interpret mode on CPU, compiled
 under -m gpu below) against the references on random mixes of short and long rows."""
 
 import jax
@@ -9,9 +9,10 @@ import pytest
 from helpers import gpu_test
 
 from jaxgdn.model.gdn import causal_conv_silu
-from pallas_kernels.gdn import gdn_recurrent_checkpoints
-from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
-from pallas_kernels.gdn_ragged_pallas import SHORT_ROW, chunk_tables, gdn_ragged_pallas
+from pallas_kernels.gdn_common import SHORT_ROW
+from pallas_kernels.gdn_conv import ragged_causal_conv
+from pallas_kernels.gdn_ragged_chunked import chunk_tables, gdn_ragged_chunked
+from pallas_kernels.gdn_reference import gdn_ragged_reference, gdn_recurrent_checkpoints
 
 LENGTHS = (1, 3, 20, 4, 70, 1, 16, 17, 130)  # decode, verify windows, short and long prompt chunks
 
@@ -48,7 +49,9 @@ def test_ragged_conv_equals_the_dense_conv_row_by_row():
     assert np.all(np.asarray(out[int(qsl[len(LENGTHS)]) :]) == 0)
 
 
-def gdn_case(seed, lengths, Hk=2, Hv=4, dk=16, dv=32, W=3, S=16, dtype=jnp.float32, pad_tokens=5):
+def gdn_case(seed, lengths, Hk=2, Hv=4, dk=16, dv=32, W=3, S=16, dtype=jnp.float32, pad_tokens=5, decay=0.3):
+    """A ragged step of rows of these lengths (fresh rows, verify windows, padding) over a random state pool;
+    decay scales the log decays |g|."""
     r = np.random.default_rng(seed)
     qsl, token_row = ragged_rows(lengths, pad_tokens)
     T, R = token_row.shape[0], qsl.shape[0] - 1
@@ -56,7 +59,7 @@ def gdn_case(seed, lengths, Hk=2, Hv=4, dk=16, dv=32, W=3, S=16, dtype=jnp.float
     q = jnp.asarray(r.standard_normal((T, Hk, dk)), dtype)
     k = jnp.asarray(r.standard_normal((T, Hk, dk)), dtype)
     v = jnp.asarray(r.standard_normal((T, Hv, dv)), dtype)
-    g = jnp.asarray(np.where(valid, -np.abs(r.standard_normal((T, Hv))) * 0.3, 0), jnp.float32)
+    g = jnp.asarray(np.where(valid, -np.abs(r.standard_normal((T, Hv))) * decay, 0), jnp.float32)
     beta = jnp.asarray(np.where(valid, r.uniform(0.1, 0.9, (T, Hv)), 0), jnp.float32)
     pool = jnp.asarray(0.3 * r.standard_normal((S, W, Hv, dk, dv)), jnp.float32)
     n_real = len(lengths)
@@ -100,20 +103,22 @@ def test_ragged_recurrence_equals_the_dense_recurrence_row_by_row():
     assert np.all(np.asarray(o[int(qsl[len(LENGTHS)]) :]) == 0)
 
 
-@pytest.mark.parametrize("lengths, dtype, pad_tokens", [(LENGTHS, jnp.float32, 5), ((2, 1, 1, 3), jnp.float32, 5),
-                                                        ((40, 1, 64, 65), jnp.bfloat16, 5), ((200,), jnp.float32, 5),
-                                                        ((1, 4, 8, 19), jnp.float32, 0)])
-def test_kernels_equal_the_reference(lengths, dtype, pad_tokens):
+@pytest.mark.parametrize("lengths, dtype, pad_tokens, decay", [
+    (LENGTHS, jnp.float32, 5, 0.3), ((2, 1, 1, 3), jnp.float32, 5, 0.3), ((40, 1, 64, 65), jnp.bfloat16, 5, 0.3),
+    ((200,), jnp.float32, 5, 0.3), ((1, 4, 8, 19), jnp.float32, 0, 0.3), ((128, 3), jnp.float32, 0, 20.0)])
+def test_kernels_equal_the_reference(lengths, dtype, pad_tokens, decay):
     """Short rows (token loop, verify checkpoints) and long rows (chunks of 64 that never cross a row,
     partial last chunks, one ending at the step's last token) in one step; fp32 and bf16 inputs; the pool
-    written in place, the null slot aside."""
-    q, k, v, g, beta, pool, qsl, token_row, slots, start, fresh, verify = gdn_case(len(lengths), lengths, dtype=dtype,
-                                                                                   pad_tokens=pad_tokens)
+    written in place, the null slot aside. Strong decay (|g| ~ 20 a token) stays finite: the chunk's decays
+    are masked before exp."""
+    q, k, v, g, beta, pool, qsl, token_row, slots, start, fresh, verify = gdn_case(
+        len(lengths), lengths, dtype=dtype, pad_tokens=pad_tokens, decay=decay)
     W = pool.shape[1]
     init = jnp.where(fresh[:, None, None, None], 0, pool[slots, start])
     o_ref, final, checkpoints = gdn_ragged_reference(q, k, v, g, beta, token_row, qsl, init, W)
-    o, new_pool = jax.jit(gdn_ragged_pallas)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
+    o, new_pool = jax.jit(gdn_ragged_chunked)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
     tol = 2e-2 if dtype == jnp.bfloat16 else 2e-4
+    assert bool(jnp.isfinite(o).all())
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=tol, atol=tol)
     want = expected_pool(pool, (final, checkpoints), slots, np.asarray(verify))
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want[1:], rtol=tol, atol=tol)
@@ -140,7 +145,7 @@ def test_kernels_lower_to_triton_without_a_gpu():
     q = k = jnp.zeros((T, H, d), bf)
     gates = jnp.zeros((T, H), jnp.float32)
     ints = jnp.zeros((R,), jnp.int32)
-    fn = lambda q, k, v, pool: gdn_ragged_pallas(q, k, v, gates, gates, pool, jnp.zeros((R + 1,), jnp.int32),  # noqa: E731
+    fn = lambda q, k, v, pool: gdn_ragged_chunked(q, k, v, gates, gates, pool, jnp.zeros((R + 1,), jnp.int32),  # noqa: E731
                                                  ints, ints, ints, ints, interpret=False)
     text = jax.jit(fn).trace(q, k, q, jnp.zeros((4, 2, H, d, d))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.lower().count("triton") >= 4
@@ -159,7 +164,7 @@ def test_ragged_gdn_kernels_compiled_equal_the_reference(lengths, dtype):
     with jax.default_matmul_precision("highest"):
         o_ref, final, checkpoints = jax.jit(gdn_ragged_reference, static_argnums=8)(
             *(x.astype(jnp.float32) for x in (q, k, v)), g, beta, token_row, qsl, init, W)
-    o, new_pool = jax.jit(gdn_ragged_pallas)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
+    o, new_pool = jax.jit(gdn_ragged_chunked)(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
     err = lambda a, b: float(jnp.abs(a - b).max() / max(1.0, float(jnp.abs(b).max())))  # noqa: E731
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert err(o, o_ref) <= tol

@@ -21,7 +21,11 @@ def test_readme_quickstart_runs_as_written(monkeypatch, capsys):
     assert reason == "stop" and float(acceptance) > 1.0
 
 
-STALE = ("_packed_step", "input_batch.", "jaxgdn.gdn.", "reference §", "reference/", "ragged_forward", "uniform_forward")
+STALE = ("_packed_step", "input_batch.", "jaxgdn.gdn.", "reference §", "reference/", "ragged_forward", "uniform_forward",
+         "gdn_pallas", "gdn_chunked_pallas", "gdn_recurrent_pallas", "gdn_ragged_pallas", "conv_pallas",
+         "pallas_kernels.gdn import", "pallas_kernels/gdn.py", "pallas_kernels/gdn_ragged.py", "pallas_kernels/gdn_mixer",
+         "RECURRENT_MAX_T", "causal_conv_prompt", "OutputGate", "register_gdn_impl", "pooled_kernel_supports",
+         "gdn_impl=\"chunked\"", "test_gdn_core")
 VENDORED = {"qwen35-architecture.md", "vllm-pd-mtp-gdn.md", "hybrid-prefix-caching.md"}  # describe other code
 
 

@@ -1,10 +1,14 @@
-"""`bench kernels`: our GDN kernels against fla's Triton kernels (same run, same inputs) and the roofline.
+"""`bench kernels`: the GDN recurrence kernels serving runs against fla's Triton kernels (same run, same inputs)
+and the roofline.
 
-Prefill: `gdn_chunked_pallas` vs fla `chunk_gated_delta_rule` (and our XLA chunked form), both returning
-o in bf16 (ours defaults to fp32; both store the same bytes here).
-Decode / verify: `gdn_recurrent_pallas` (T = 1, and T = 1+K writing a checkpoint per position) vs fla
-`fused_recurrent_gated_delta_rule` (which writes only the final state). Both sides are checked against
-each other before they are timed: a kernel that is fast and wrong is reported as wrong.
+Prefill: `gdn_ragged_chunked` over B rows of T tokens (the stream with query_start_loc = arange(B + 1) * T) vs fla
+`chunk_gated_delta_rule` (and our XLA chunked form). Ours stores o in fp32, as serving does; fla returns it in
+bf16 (the "floor bytes" column counts the difference).
+Decode / verify: `gdn_recurrent_pooled` (T = 1, and T = 1+K writing a checkpoint per position) vs fla
+`fused_recurrent_gated_delta_rule` (which writes only the final state). Both of ours read and write the
+engine's state pool in place: each call starts from the state the previous call wrote, the pool donated, as
+in a served step. Both sides are checked against each other before they are timed: a kernel that is fast and
+wrong is reported as wrong.
 
 Two times per side: ms per call issued back to back from Python (what a caller sees, launch path
 included; fla's varies between runs at short shapes) and the summed device time of the kernels one call
@@ -14,8 +18,6 @@ the process may slow later launches) and fla's after all of ours (see torch_kern
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -43,8 +45,8 @@ def _inputs(B, T, H, d, seed=0):
 
 
 def kernel_bytes(B, T, H, d, checkpoints=False, o_bytes=4):
-    """Bytes that must move: q, k, v bf16 in, g and beta fp32 in, o out (o_bytes per value: fp32 for the
-    recurrent kernels, bf16 for chunked prefill, as both sides return it), state fp32 in and out (and one
+    """Bytes that must move: q, k, v bf16 in, g and beta fp32 in, o out (o_bytes per value: fp32 for ours and
+    fla's recurrent kernel, bf16 for fla's chunked prefill), state fp32 in and out (and one
     fp32 state per position for verify checkpoints, which fla's fused recurrent kernel does not write: at
     B64 T2..4 they make ours 2-3x fla's floor, tables.kernels_table's "floor bytes" column)."""
     n = B * T * H
@@ -57,13 +59,61 @@ def _rel_err(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
 
 
+class PooledCall:
+    """One of our serving kernels as a served step calls it: the state pool [B+1, W, H, d, d] (slot 0 the null
+    slot) passed in and donated, the updated pool kept for the next call. call() -> o; `pool` holds the
+    states."""
+
+    def __init__(self, kernel, inputs: tuple, s0, W: int, verify: bool):
+        import jax
+        import jax.numpy as jnp
+
+        B = s0.shape[0]
+        self.pool = jnp.zeros((B + 1, W, *s0.shape[1:]), jnp.float32).at[1:, 0].set(s0)
+        self.rows = (jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+                     jnp.full((B,), verify))
+        self.inputs = inputs
+        self.fn = jax.jit(kernel, donate_argnums=len(inputs))
+
+    def __call__(self):
+        o, self.pool = self.fn(*self.inputs, self.pool, *self.rows)
+        return o
+
+
+def serving_prefill(q, k, v, g, beta, s0):
+    """`gdn_ragged_chunked` over dense rows: [B, T] inputs as the stream of B rows of T tokens."""
+    from pallas_kernels.gdn_ragged_chunked import gdn_ragged_chunked
+
+    B, T = q.shape[:2]
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+
+    def kernel(q, k, v, g, beta, pool, slots, start, fresh, verify):
+        import jax.numpy as jnp
+
+        qsl = jnp.arange(B + 1, dtype=jnp.int32) * T
+        return gdn_ragged_chunked(q, k, v, g, beta, pool, qsl, slots, start, fresh, verify)
+
+    call = PooledCall(kernel, tuple(flat(x) for x in (q, k, v, g, beta)), s0, 1, False)
+    return call, lambda o: o.reshape(B, T, *o.shape[1:]), lambda: call.pool[1:, 0]
+
+
+def serving_decode(q, k, v, g, beta, s0):
+    """`gdn_recurrent_pooled` on B rows of T tokens; T > 1 a verify window writing a checkpoint per position."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.gdn_decode import gdn_recurrent_pooled
+
+    B, T = q.shape[:2]
+    qkv = jnp.concatenate([x.reshape(B, T, -1) for x in (q, k, v)], axis=-1)
+    call = PooledCall(gdn_recurrent_pooled, (qkv, g, beta), s0, T, T > 1)
+    return call, lambda o: o, lambda: call.pool[1:, T - 1]
+
+
 def bench_kernels(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gdn import gdn_chunked, gdn_recurrent_checkpoints
-    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
-    from pallas_kernels.gdn_pallas import gdn_recurrent_pallas
+    from pallas_kernels.gdn_reference import gdn_chunked_reference, gdn_recurrent_checkpoints
 
     try:
         import torch
@@ -78,7 +128,7 @@ def bench_kernels(args) -> dict:
     bw = measured_bandwidth_gbs(args.bandwidth_bytes)
     print(f"measured bandwidth: {bw:.0f} GB/s (bf16 elementwise read+write)")
     rows = []
-    profiled = []  # (row, our jitted call and its arguments, fla's call or None): profiled after the timing
+    profiled = []  # (row, our call, fla's call or None): profiled after the timing
 
     def to_jax(x, bf16):
         return jnp.asarray(x, jnp.bfloat16 if bf16 else jnp.float32)
@@ -92,28 +142,25 @@ def bench_kernels(args) -> dict:
         jq, jk, jv = (to_jax(x, True) for x in (q, k, v))
         jg, jb, js = (to_jax(x, False) for x in (g, beta, s0))
         row = {"kind": kind, "B": B, "T": T, "H": H, "d": d}
+        serving = serving_prefill if kind == "prefill" else serving_decode
+        ours, dense_o, final_state = serving(jq, jk, jv, jg, jb, js)
+        o = dense_o(ours())
+        s = final_state()  # the state after the one call (a verify window's last checkpoint)
         if kind == "prefill":
-            # o in bf16, as fla's chunk_gated_delta_rule returns it (fp32 o, the default, is twice its store)
-            ours = jax.jit(functools.partial(gdn_chunked_pallas, out_dtype=jnp.bfloat16))
-            xla = jax.jit(gdn_chunked)
-            o, s = ours(jq, jk, jv, jg, jb, js)
+            xla = jax.jit(gdn_chunked_reference)
             o_x, s_x = xla(jq, jk, jv, jg, jb, js)
-            row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
-            row["ours_ms"] = time_jax(ours, jq, jk, jv, jg, jb, js)
+            row["ours_ms"] = time_jax(ours)
             row["xla_chunked_ms"] = time_jax(xla, jq, jk, jv, jg, jb, js)
-            nbytes = kernel_bytes(B, T, H, d, o_bytes=2)
+            nbytes = kernel_bytes(B, T, H, d)
         else:
             keep = T > 1  # verify windows write a checkpoint per position
-            ours = jax.jit(lambda *a: gdn_recurrent_pallas(*a, keep_states=keep))
             xla = jax.jit(gdn_recurrent_checkpoints)
-            res = ours(jq, jk, jv, jg, jb, js)
             o_x, s_x, _ = xla(jq, jk, jv, jg, jb, js)
-            o, s = res[0], res[1]
-            row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
             row["checkpoints_written"] = keep
-            row["ours_ms"] = time_jax(ours, jq, jk, jv, jg, jb, js, iters=100)
+            row["ours_ms"] = time_jax(ours, iters=100)
             row["xla_scan_ms"] = time_jax(xla, jq, jk, jv, jg, jb, js, iters=100)
             nbytes = kernel_bytes(B, T, H, d, checkpoints=keep)
+        row["ours_vs_xla_rel_err"] = max(_rel_err(o, o_x), _rel_err(s, s_x))
         row["roofline_ms"] = nbytes / (bw * 1e9) * 1e3
         if have_fla:
             tq, tk, tv = (to_torch(x, True) for x in (q, k, v))
@@ -132,7 +179,7 @@ def bench_kernels(args) -> dict:
                                                  _rel_err(s, fs.float().cpu().numpy()))
                 row["fla_ms"] = time_torch(fla_call, iters=100 if kind != "prefill" else 20)
             row["ratio_ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
-        profiled.append((row, (ours, jq, jk, jv, jg, jb, js), fla_call if have_fla else None))
+        profiled.append((row, ours, fla_call if have_fla else None))
         rows.append(row)
         args.save_partial(payload())
         fla = f"fla {row['fla_ms']:.3f} ms  ratio {row['ratio_ours_over_fla']:.2f}" if have_fla else "fla -"
@@ -152,7 +199,7 @@ def bench_kernels(args) -> dict:
     for B, T in args.decode_shapes or DECODE_SHAPES:
         run_case("decode" if T == 1 else "verify", B, T)
     for row, ours_call, _ in profiled:
-        row["ours_device_us"] = device_us(lambda: profile_calls(*ours_call)["busy_us"])
+        row["ours_device_us"] = device_us(lambda: profile_calls(ours_call)["busy_us"])
     for row, _, fla_call in profiled:
         if fla_call is not None:
             with torch.no_grad():

@@ -31,16 +31,18 @@ def _table(headers: list[str], rows: list[dict], cells) -> list[str]:
         "| " + " | ".join(cells(r)) + " |" for r in rows]
 
 
-KERNEL_KIND = {"prefill": "chunked prefill", "decode": "decode", "verify": "verify (checkpoint per position)"}
+KERNEL_KIND = {"prefill": "ragged chunked prefill", "decode": "decode", "verify": "verify (checkpoint per position)"}
 
 
 def floor_bytes_ratio(r: dict) -> float:
-    """Bytes our kernel must move over those fla's must, from a kernels row's shape: 1 but for verify
-    windows, where ours also writes an fp32 checkpoint per position (the engine's rollback by selection)."""
+    """Bytes our kernel must move over those fla's must, from a kernels row's shape: verify windows, where ours
+    also writes an fp32 checkpoint per position (the engine's rollback by selection), and prefill, where ours
+    stores o in fp32 and fla's in bf16."""
     from .kernels import kernel_bytes
 
     shape = r["B"], r["T"], r["H"], r["d"]
-    return kernel_bytes(*shape, checkpoints=r["kind"] == "verify") / kernel_bytes(*shape)
+    fla_o_bytes = 2 if r["kind"] == "prefill" else 4
+    return kernel_bytes(*shape, checkpoints=r["kind"] == "verify") / kernel_bytes(*shape, o_bytes=fla_o_bytes)
 
 
 def kernels_table(d: dict) -> list[str]:

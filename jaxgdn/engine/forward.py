@@ -3,7 +3,7 @@
 A ragged step (width 0) is a flat stream: tokens [T] with the row of each (token_row, -1 for padding) and
 each row's tokens at query_start_loc[r] .. query_start_loc[r+1]-1. Attention writes this step's K/V at each
 token's pool slot and attends over the row's pages (`pallas_kernels/ragged_attention.py`); a GDN layer
-convolves and runs the recurrence of each row from its slot's state (`pallas_kernels/gdn_ragged.py`) and
+convolves and runs the recurrence of each row from its slot's state (`pallas_kernels/gdn_ragged_chunked.py`, or `gdn_reference.py`'s XLA form) and
 commits the new state. No [rows, width] padding exists: a step's activations are O(T) whatever the rows'
 widths and contexts.
 
@@ -28,14 +28,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.conv_pallas import causal_conv_pooled, conv_kernel_supports
 from pallas_kernels.decode_attention import DecodeAttentionLayout, decode_attention_pooled, decode_attention_supports
-from pallas_kernels.gdn import RECURRENT_MAX_T
-from pallas_kernels.gdn_mixer import gdn_mixer_pooled, mixer_kernel_supports
-from pallas_kernels.gdn_pallas import GateSource, gdn_recurrent_pooled, pooled_kernel_supports
-from pallas_kernels.gdn_ragged import gdn_ragged_reference, ragged_causal_conv
-from pallas_kernels.gdn_ragged_pallas import gdn_ragged_pallas
-from pallas_kernels.gdn_ragged_pallas import kernels_support as gdn_kernels_support
+from pallas_kernels.gdn_common import SHORT_ROW, GateSource, tiles_supported
+from pallas_kernels.gdn_conv import causal_conv_pooled, conv_kernel_supports, ragged_causal_conv
+from pallas_kernels.gdn_decode import gdn_mixer_pooled, gdn_recurrent_pooled, mixer_kernel_supports
+from pallas_kernels.gdn_ragged_chunked import gdn_ragged_chunked
+from pallas_kernels.gdn_reference import gdn_ragged_reference
 from pallas_kernels.prompt_qkv import prompt_qkv, prompt_qkv_supports
 from pallas_kernels.ragged_attention import kernel_supports as ragged_kernel_supports
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_reference
@@ -122,9 +120,9 @@ def attention_ragged(p, cfg: ModelConfig, h, meta: StepMeta, kv: PagedKV, policy
 
 
 def uses_gdn_kernels(cfg: ModelConfig, policy: KernelPolicy) -> bool:
-    """Whether the ragged GDN recurrence runs the Pallas kernels (`pallas_kernels/gdn_ragged_pallas.py`):
+    """Whether the ragged GDN recurrence runs the Pallas kernels (`pallas_kernels/gdn_ragged_chunked.py`):
     policy.gdn_kernels, head sizes that are Triton tiles."""
-    return policy.gdn_kernels and gdn_kernels_support(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return policy.gdn_kernels and tiles_supported(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
 def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_accepted, policy: KernelPolicy):
@@ -143,8 +141,8 @@ def gdn_ragged(p, cfg: ModelConfig, h, meta: StepMeta, slots: GDNSlots, num_acce
     conv = write_conv(slots, meta, window, buffers if W > 1 else None)
     q, k, v = (x[0] for x in split_qkv(cfg, u[None]))
     if uses_gdn_kernels(cfg, policy):  # the pool read and written in place
-        o, ssm = gdn_ragged_pallas(q, k, v, g, beta, slots.ssm, meta.query_start_loc, meta.idx_mapping, offset,
-                                   meta.fresh, meta.verify_path)
+        o, ssm = gdn_ragged_chunked(q, k, v, g, beta, slots.ssm, meta.query_start_loc, meta.idx_mapping, offset,
+                                    meta.fresh, meta.verify_path)
     else:
         start = read_ssm(slots, meta, offset)
         o, final, states = gdn_ragged_reference(q, k, v, g, beta, meta.token_row, meta.query_start_loc, start, W)
@@ -218,7 +216,7 @@ def use_mixer_kernel(p, cfg: ModelConfig, rows: int, policy: KernelPolicy) -> bo
 def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_accepted, policy: KernelPolicy,
                     mixer: bool | None = None):
     """The GDN layer over [R, Q] rows (h [R, Q, H]) on the in-place pool kernels: the conv kernel reads and
-    writes each row's window in the pool (`pallas_kernels/conv_pallas.py`), the pool kernel reads checkpoint
+    writes each row's window in the pool (`pallas_kernels/gdn_conv.py`), the pool kernel reads checkpoint
     num_accepted-1 of each row's slot and writes the new checkpoints straight into it, with no gathered copy
     of the states; with fused weights and fused_decode one kernel does the conv, gates, recurrence and gated
     norm (mixer; None: `use_mixer_kernel`). Returns (out [R, Q, H], new slots)."""
@@ -244,8 +242,8 @@ def gdn_rows_pooled(p, cfg: ModelConfig, h, view: RowView, slots: GDNSlots, num_
 def use_pooled_kernels(cfg: ModelConfig, width: int, policy: KernelPolicy) -> bool:
     """Whether a uniform step's GDN layers run `gdn_rows_pooled` (else the ragged form): policy.gdn_kernels,
     short rows, tile-sized heads and conv blocks."""
-    return (policy.gdn_kernels and width <= RECURRENT_MAX_T
-            and pooled_kernel_supports(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return (policy.gdn_kernels and width <= SHORT_ROW
+            and tiles_supported(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
             and conv_kernel_supports(cfg.conv_dim))
 
 

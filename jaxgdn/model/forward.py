@@ -2,7 +2,8 @@
 
 `forward` runs new tokens on top of an optional cache; with cache=None it is the full-sequence
 forward from an empty state. Decode, chunked-prefill continuation and multi-token verification are
-all `forward` on a populated cache.
+all `forward` on a populated cache. It is the plain XLA oracle that training and the parity tests run;
+serving runs `jaxgdn.engine.forward` over paged pools, with the kernels.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def residual_block(p: DecoderLayerParams, cfg: ModelConfig, x, mixer: Callable, 
     return x, new_state
 
 
-def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start, gdn_impl,
-                  policy: KernelPolicy = DEFAULT_POLICY):
-    """A decoder layer on a dense cache. Returns (x, new layer cache)."""
+def decoder_layer(p: DecoderLayerParams, cfg: ModelConfig, layer_type: str, x, positions, layer_cache, start,
+                  gdn_chunked: bool = True, policy: KernelPolicy = DEFAULT_POLICY):
+    """A decoder layer on a dense cache (gdn_chunked: `gdn_layer`'s chunked). Returns (x, new layer cache)."""
     if layer_type == FULL_ATTENTION:
         mixer = lambda h: attention_layer(p.mixer, cfg, h, positions, layer_cache, start)  # noqa: E731
     else:
-        mixer = lambda h: gdn_layer(p.mixer, cfg, h, layer_cache, impl=gdn_impl)  # noqa: E731
+        mixer = lambda h: gdn_layer(p.mixer, cfg, h, layer_cache, chunked=gdn_chunked)  # noqa: E731
     return residual_block(p, cfg, x, mixer, policy)
 
 
@@ -64,20 +65,21 @@ def forward(
     input_ids,
     cache: ModelCache | None = None,
     *,
-    gdn_impl: str = "auto",
+    gdn_chunked: bool = True,
     compute_logits: bool = True,
     policy: KernelPolicy = DEFAULT_POLICY,
 ):
     """input_ids: [B, T] int. Returns (logits [B, T, V] or None, hidden [B, T, H] after the final norm,
-    new cache or None). The hidden is what the MTP head consumes."""
+    new cache or None). The hidden is what the MTP head consumes. gdn_chunked: the GDN recurrence's chunked
+    XLA form (else the token scan, which training on CPU uses: see jaxgdn.train)."""
     B, T = input_ids.shape
     start, positions = step_positions(cache, B, T)
     x = params.embed_tokens[input_ids]
     new_layers = []
     for i, layer_type in enumerate(cfg.layer_types):
         layer_cache = None if cache is None else cache.layers[i]
-        x, layer_cache = decoder_layer(params.layers[i], cfg, layer_type, x, positions, layer_cache, start, gdn_impl,
-                                       policy)
+        x, layer_cache = decoder_layer(params.layers[i], cfg, layer_type, x, positions, layer_cache, start,
+                                       gdn_chunked, policy)
         new_layers.append(layer_cache)
     hidden = rms_norm_1p(x, params.norm, cfg.rms_norm_eps)
     logits = logits_from_hidden(params, hidden) if compute_logits else None

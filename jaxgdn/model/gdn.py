@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.conv_pallas import causal_conv_prompt, prompt_conv_supports
-from pallas_kernels.gdn import gated_delta_rule, runs_chunked_pallas, use_prompt_conv_kernel
-from pallas_kernels.gdn_pallas import GateSource, OutputGate
+from pallas_kernels.gdn_reference import gdn_chunked_reference, gdn_recurrent_reference
 
 from .cache import GDNState, empty_gdn_state
 from .config import ModelConfig
@@ -57,7 +53,7 @@ def conv_window_after(window, mixed, num_valid=None):
 def gdn_gates(p, a, b):
     """a, b: [B, T, Hv] -> (g log decay, beta) both fp32. g = -exp(A_log) * softplus(a + dt_bias).
     beta = sigmoid(b) computed in fp32 and rounded once to b's dtype, as torch's bf16 sigmoid does (the
-    reference's) and as the kernels do (`gdn_pallas.gate_values`); XLA's bf16 sigmoid would round each of
+    reference's) and as the kernels do (`gdn_common.gate_values`); XLA's bf16 sigmoid would round each of
     its ops, differing in the last bit for ~30% of values."""
     beta = upcast(jax.nn.sigmoid(upcast(b)).astype(b.dtype))
     g = -jnp.exp(upcast(p.A_log)) * jax.nn.softplus(upcast(a) + upcast(p.dt_bias))
@@ -96,68 +92,23 @@ def split_qkv(cfg: ModelConfig, u):
     return q, k, v
 
 
-class GDNInputs(NamedTuple):
-    """What the GDN layer's core and output read (see `gdn_inputs`)."""
-
-    q: jax.Array  # [B, T, Hk, dk]
-    k: jax.Array  # [B, T, Hk, dk]
-    v: jax.Array  # [B, T, Hv, dv]
-    g: jax.Array  # [B, T, Hv] fp32 log decay
-    beta: jax.Array  # [B, T, Hv] fp32
-    z: jax.Array  # [B, T, Hv, dv] output gate
-    conv: jax.Array  # [B, Kc-1, C] the conv window after the step
-    mixed: jax.Array  # [B, T, C] the pre-conv inputs
-    z_source: jax.Array  # [B, T, >=C'] an array holding z in place: the fused projection's product or z
-    z_offset: int  # z's first column in z_source (value head h at z_offset + h * dv)
-    gates: GateSource | None  # b and a in place in the fused product, for the chunked kernel (else None)
-
-
-def gdn_inputs(p, cfg: ModelConfig, x, conv_window, num_valid=None, impl: str = "auto") -> GDNInputs:
-    """Projections, gates and causal conv of the GDN layer. x: [B, T, H] (input-normed); conv_window:
-    [B, Kc-1, C]. Padded steps (beyond num_valid) get g = 0 and beta = 0: they neither decay nor write.
-    impl: the GDN implementation; where it runs the Pallas kernels on long rows, so does the conv
-    (`causal_conv_prompt`, written straight into q, k and v)."""
-    source, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
-    B, T, _ = x.shape
-    z_source, z_offset = (source, cfg.conv_dim) if p.fused is not None else (z.reshape(B, T, -1), 0)
-    # the fused product's columns: q‖k‖v, z, b, a (gdn_projections' sizes)
-    gates = (GateSource(source, cfg.conv_dim + cfg.linear_value_dim, p.A_log, p.dt_bias, num_valid)
-             if p.fused is not None else None)
-    widths = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
-    if use_prompt_conv_kernel(impl, T) and prompt_conv_supports(widths, T, cfg.linear_conv_kernel_dim):
-        q, k, v = causal_conv_prompt(source, widths, p.conv1d, conv_window)
-        heads = lambda a, h: a.reshape(B, T, h, -1)  # noqa: E731
-        q, k = heads(q, cfg.linear_num_key_heads), heads(k, cfg.linear_num_key_heads)
-        v = heads(v, cfg.linear_num_value_heads)
-        conv = conv_window_after(conv_window, mixed, num_valid)
-        return GDNInputs(q, k, v, g, beta, z, conv, mixed, z_source, z_offset, gates)
-    u, conv = causal_conv_silu(mixed, conv_window, p.conv1d, num_valid)
-    return GDNInputs(*split_qkv(cfg, u), g, beta, z, conv, mixed, z_source, z_offset, gates)
-
-
-def gdn_output(p, cfg: ModelConfig, o, z, dtype, normed: bool = False):
-    """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]. normed: o is already
-    the gated norm's output (the chunked kernel applied it)."""
+def gdn_output(p, cfg: ModelConfig, o, z, dtype):
+    """Gated RMS norm and out_proj: o [B, T, Hv, dv] core output -> [B, T, H]."""
     B, T = o.shape[:2]
-    y = o if normed else gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
+    y = gated_rms_norm(o.astype(dtype), z, p.norm, cfg.rms_norm_eps, dtype)
     return linear(y.reshape(B, T, -1), p.out_proj)
 
 
-def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, impl: str = "auto", num_valid=None):
+def gdn_layer(p, cfg: ModelConfig, x, state: GDNState | None, num_valid=None, chunked: bool = True):
     """x: [B, T, H] (input-normed); state: conv window + recurrent state, or None (zeros);
     num_valid: optional [B] real tokens per row. Padded steps get g = 0 and beta = 0, so they neither
-    decay nor write the state: padding is a no-op. Returns (out [B, T, H], new GDNState)."""
+    decay nor write the state: padding is a no-op. chunked: the recurrence's chunked XLA form, else the
+    token-by-token scan (the same math). Returns (out [B, T, H], new GDNState)."""
     B, T, _ = x.shape
     if state is None:
         state = empty_gdn_state(cfg, B, x.dtype)
-    inp = gdn_inputs(p, cfg, x, state.conv, num_valid, impl)
-    # Where the chunked Pallas kernel runs, it stores its output in z's dtype for the gated norm (XLA) rather
-    # than in fp32: half the bytes to memory and back.
-    fused_norm = runs_chunked_pallas(impl, T)
-    gate = OutputGate(inp.z_source, p.norm, cfg.rms_norm_eps, inp.z_offset) if fused_norm else None
-    # There, with fused weights, its prep kernel also computes g and beta from the product in place.
-    gates = inp.gates if fused_norm else None
-    kernel_gates = (inp.g, inp.beta) if gates is None else (None, None)
-    o, ssm = gated_delta_rule(inp.q, inp.k, inp.v, *kernel_gates, state.ssm, impl=impl, gate=gate, gates=gates)
-    out = gdn_output(p, cfg, o, inp.z, x.dtype, normed=fused_norm)
-    return out, GDNState(conv=inp.conv, ssm=ssm)
+    _, mixed, z, g, beta = gdn_projections(p, cfg, x, num_valid)
+    u, conv = causal_conv_silu(mixed, state.conv, p.conv1d, num_valid)
+    recurrence = gdn_chunked_reference if chunked else gdn_recurrent_reference
+    o, ssm = recurrence(*split_qkv(cfg, u), g, beta, state.ssm)
+    return gdn_output(p, cfg, o, z, x.dtype), GDNState(conv=conv, ssm=ssm)

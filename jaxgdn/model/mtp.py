@@ -47,7 +47,7 @@ def mtp_forward(params: ModelParams, cfg: ModelConfig, hidden, next_ids, cache: 
     new_layers = []
     for i, layer in enumerate(mtp.layers):
         layer_cache = None if cache is None else cache.layers[i]
-        x, layer_cache = decoder_layer(layer, cfg, FULL_ATTENTION, x, positions, layer_cache, start, "chunked")
+        x, layer_cache = decoder_layer(layer, cfg, FULL_ATTENTION, x, positions, layer_cache, start)
         new_layers.append(layer_cache)
     m = rms_norm_1p(x, mtp.norm, cfg.rms_norm_eps)
     new_cache = None if cache is None else ModelCache(layers=tuple(new_layers), lengths=cache.lengths + T)

@@ -1,12 +1,12 @@
-"""Pallas kernels of the GDN layer's causal conv + SiLU: over the engine's conv-window pool, in place, for
-short rows (`causal_conv_pooled`, below), and over whole long rows written straight into q, k and v
-(`causal_conv_prompt`, at the end of the file).
+"""The GDN layer's causal conv + SiLU: over a ragged step's stream in XLA (`ragged_causal_conv`, every ragged
+step's, GPU included), and as a Pallas kernel over the engine's conv-window pool in place for short rows
+(`causal_conv_pooled`, decode and verify), with the row helpers the GDN mixer kernel shares.
 
-The XLA path of an engine step gathers each row's window from the pool, concatenates it with the new
-inputs, convolves, and scatters the new window back: four or five kernels per GDN layer, and a scatter
-that XLA runs slowly at large batches. This kernel does all of it in one pass, one program per (row,
-channel block), each program owning its channels, so reading the old window and writing the new one in
-place never races.
+The XLA form of a short-row step would gather each row's window from the pool, concatenate it with the new
+inputs, convolve, and scatter the new window back: four or five kernels per GDN layer, and a scatter that XLA
+runs slowly at large batches. The pool kernel does all of it in one pass, one program per (row, channel
+block), each program owning its channels, so reading the old window and writing the new one in place never
+races.
 
     x      [B, T, >=C]     pre-conv inputs q‖k‖v in channels [0, C) (the fused projection's whole output
                            may be passed: its other channels are never read, and no sliced copy is made)
@@ -15,7 +15,7 @@ place never races.
     slots, start, fresh, verify, num_valid [B]
     -> (silu(conv) [B, T, C] in x.dtype, updated pool)
 
-Semantics (those of `jaxgdn.paged_forward`'s XLA path, which the tests compare against): with
+Semantics (tests/test_gdn_conv.py compares them with the engine's XLA path): with
 full = [window ‖ x[:T]] (window zeros for a fresh row), output t is silu(Σ_j full[t+j] · w[:, j]) in fp32;
 a verify row writes full[1 : Kc+K] (the window after each window position) to offsets 0..Kc-2+K; any
 other row writes its last Kc-1 real inputs full[n : n+Kc-1] (n = num_valid) to offsets 0..Kc-2.
@@ -24,13 +24,13 @@ other row writes its last Kc-1 real inputs full[n : n+Kc-1] (n = num_valid) to o
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .common import interpret_default, triton_params
+from .gdn_common import row_offsets
 
 f32 = jnp.float32
 MAX_CHANNEL_BLOCK = 256
@@ -118,82 +118,35 @@ def causal_conv_pooled(x, channels: int, weight, pool, slots, start, fresh, veri
     )(x, weight, i32(slots), i32(start), i32(fresh), i32(verify), i32(num_valid), pool)
 
 
-# ----------------------------------------------------------------------------- whole prompts (prefill)
+def ragged_causal_conv(x, weight, windows, token_row, query_start_loc, num_windows: int):
+    """Depthwise causal conv + SiLU of each row of a ragged stream over [window ‖ its tokens], in XLA.
 
+    x [T, >=C] (channels [0, C) read), weight [C, 1, Kc], windows [R, Kc-1, C], token_row [T] (-1: padding),
+    query_start_loc [R+1] -> silu(conv) [T, C] in x's dtype (sums in fp32), the windows after each row
+    [R, Kc-1, C], and the inputs 1 .. Kc-2+W of [window ‖ row] [R, Kc-2+W, C] (W = num_windows: a verify
+    row's windows after each of its first W tokens, the one after token i being [i : i+Kc-1])."""
+    C, _, Kc = weight.shape
+    T = x.shape[0]
+    x = x[:, :C]
+    windows = windows.astype(x.dtype)
+    w = weight[:, 0, :].astype(jnp.promote_types(x.dtype, f32))  # [C, Kc]
+    valid, row, offset = row_offsets(token_row, query_start_loc)
+    padded = jnp.pad(x, [(Kc - 1, 0), (0, 0)])
+    acc = 0.0
+    for j in range(Kc):
+        s = offset - (Kc - 1) + j  # the tap's input, as an offset in the row (negative: in the window)
+        from_window = windows[row, jnp.clip(Kc - 1 + s, 0, Kc - 2)]
+        tap = jnp.where((s >= 0)[:, None], padded[j : j + T], from_window)
+        acc = acc + tap.astype(w.dtype) * w[:, j]
+    out = jnp.where(valid[:, None], jax.nn.silu(acc), 0).astype(x.dtype)
 
-def _prompt_conv_kernel(x_ref, w_ref, win_ref, *o_refs, T, Kc, BT, BC, bounds):
-    """One (row, tile of BT outputs, channel block): outputs t0 .. t0+BT-1, tap j reading input rows
-    t0+j-(Kc-1) ..; the first tile's rows before 0 come from the window (its own code path, so the other
-    tiles load nothing extra). The channel block lies inside one of the outputs (q, k, v): the others'
-    stores are masked."""
-    from jax.experimental.pallas import triton as plt  # masked loads and stores (also in interpret mode)
+    n = query_start_loc[1:] - query_start_loc[:-1]  # [R]
 
-    b, it, ic = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0, c0 = it * BT, ic * BC
-    cols = pl.ds(c0, BC)
-    out_rows = t0 + jnp.arange(BT)
+    def full_at(m):  # [R, E] indices into each row's [window ‖ tokens] -> [R, E, C]
+        from_window = jnp.take_along_axis(windows, jnp.clip(m, 0, Kc - 2)[..., None], axis=1)
+        from_tokens = x[jnp.clip(query_start_loc[:-1, None] + m - (Kc - 1), 0, T - 1)]
+        return jnp.where((m < Kc - 1)[..., None], from_window, from_tokens)
 
-    def conv(first: bool):
-        acc = jnp.zeros((BT, BC), f32)
-        ch = (c0 + jnp.arange(BC))[None, :] if first else None  # channel index array for the gathers
-        for j in range(Kc):
-            back = Kc - 1 - j  # tap j of output t reads input t - back
-            if first:  # tile 0: t < back reads the window's row Kc-1+t-back (gathered loads, this tile only)
-                xj = x_ref[b, jnp.clip(out_rows - back, 0, T - 1)[:, None], ch].astype(f32)
-                wj = win_ref[b, jnp.clip(Kc - 1 + out_rows - back, 0, Kc - 2)[:, None], ch]
-                xj = jnp.where((out_rows < back)[:, None], wj.astype(x_ref.dtype).astype(f32), xj)
-            else:  # rows t0-back.. all >= 0 (BT >= Kc-1)
-                mask = jnp.broadcast_to((out_rows - back < T)[:, None], (BT, BC))
-                xj = plt.load(x_ref.at[b, pl.ds(t0 - back, BT), cols], mask=mask, other=0).astype(f32)
-            acc += xj * w_ref[j, cols].astype(f32)[None, :]
-        return acc * jax.nn.sigmoid(acc)
-
-    def store(out):
-        row_ok = (out_rows < T)[:, None]
-        for o_ref, (lo, hi) in zip(o_refs, bounds):
-            start = jnp.clip(c0 - lo, 0, hi - lo - BC)  # in range even where masked off
-            plt.store(o_ref.at[b, pl.ds(t0, BT), pl.ds(start, BC)], out.astype(o_ref.dtype),
-                      mask=jnp.broadcast_to(row_ok & ((c0 >= lo) & (c0 < hi)), (BT, BC)))
-
-    if Kc == 1:  # no window
-        store(conv(False))
-        return
-
-    @pl.when(it == 0)
-    def _first_tile():
-        store(conv(True))
-
-    @pl.when(it > 0)
-    def _other_tiles():
-        store(conv(False))
-
-
-def prompt_conv_supports(widths, T: int, Kc: int) -> bool:
-    """Every output width splits into channel blocks of >= 16, and the prompt covers the window's reach."""
-    return all(w % 16 == 0 for w in widths) and T >= Kc
-
-
-def causal_conv_prompt(x, widths, weight, window, interpret=None, block_t: int = 16, block_c: int | None = None,
-                       num_warps: int = 4):
-    """Causal conv + SiLU of a whole prompt, written straight into separate outputs (q, k, v) so no sliced
-    copies follow: one read of x and one write of the outputs (XLA's fused conv ran this at about half the
-    bandwidth).
-
-    x [B, T, >=C] pre-conv inputs in channels [0, C) (the fused projection's whole output may be passed);
-    widths: the outputs' channel counts, summing to C; weight [C, 1, Kc] (tap Kc-1 on the current token);
-    window [B, Kc-1, C] the previous inputs. Returns one [B, T, width] array per width, in x.dtype, equal
-    to `jaxgdn.model.gdn.causal_conv_silu`'s output split at the widths.
-    """
-    B, T, _ = x.shape
-    Kc = weight.shape[-1]
-    C = sum(widths)
-    assert prompt_conv_supports(widths, T, Kc) and block_t >= Kc - 1, (widths, T, Kc, block_t)
-    BC = block_c or min(MAX_CHANNEL_BLOCK, *(_channel_block(w) for w in widths))
-    bounds = tuple((lo, lo + w) for lo, w in zip(itertools.accumulate((0, *widths[:-1])), widths))
-    w_taps = weight[:, 0, :].T  # [Kc, C]: one contiguous row per tap
-    kernel = functools.partial(_prompt_conv_kernel, T=T, Kc=Kc, BT=block_t, BC=BC, bounds=bounds)
-    return pl.pallas_call(
-        kernel, out_shape=tuple(jax.ShapeDtypeStruct((B, T, w), x.dtype) for w in widths),
-        grid=(B, pl.cdiv(T, block_t), C // BC), interpret=interpret_default(interpret),
-        compiler_params=triton_params(num_warps),
-    )(x, w_taps, window)
+    after = full_at(n[:, None] + jnp.arange(Kc - 1))
+    buffers = full_at(1 + jnp.arange(Kc - 2 + num_windows)[None, :] + jnp.zeros_like(n)[:, None])
+    return out, after, buffers

@@ -1,5 +1,5 @@
-"""The gated delta rule over a ragged token stream as Pallas kernels, reading and writing the engine's state pool
-in place (Triton lowering on a GPU, interpret mode on CPU); `gdn_ragged.gdn_ragged_reference` is the reference.
+"""The gated delta rule of a ragged step as Pallas kernels, reading and writing the engine's state pool in place
+(Triton lowering on a GPU, interpret mode on CPU); `gdn_reference.gdn_ragged_reference` is the reference.
 
     q, k [T, Hk, dk], v [T, Hv, dv]   the step's conv outputs, rows one after another (not L2-normed)
     g, beta [T, Hv] fp32              gates, 0 and 0 on padding tokens
@@ -7,14 +7,23 @@ in place (Triton lowering on a GPU, interpret mode on CPU); `gdn_ragged.gdn_ragg
     query_start_loc [R+1], slots, start, fresh, verify [R]
     -> o [T, Hv, dv] fp32 (zeros on padding tokens), the pool with every row's new state written
 
+A dense batch [B, L] is the stream of B rows with query_start_loc = arange(B + 1) * L.
+
 A row of at most SHORT_ROW tokens (decode, prompt tails, verify windows, short prompts) runs the token loop of
 `_short_rows_kernel`, one program per (row, value head, dv tile) holding its state tile in registers; a
 verify row writes the state after each of its first W tokens to checkpoints 0..W-1, any other row its final
-state to checkpoint 0. Longer rows (prompt chunks) run the chunked (WY) form of `gdn_chunked` over chunks of
-CHUNK tokens that never cross a row: `_prep_kernel` and `_output_parts_kernel` over every chunk in parallel,
-then `_scan_kernel` walks each long row's chunks with its state in registers and writes the final state. The
-chunk table (`chunk_tables`) is built on the device from query_start_loc; its length is fixed by T and R.
-Head sizes must be Triton tiles (powers of two >= 16): the pool cannot be padded in place.
+state to checkpoint 0.
+
+Longer rows (prompt chunks) run the chunked (WY) form over chunks of CHUNK tokens that never cross a row
+(`gdn_reference.gdn_chunked_reference` is the same math in XLA). `_prep_kernel`, over every chunk in parallel:
+cumulative log decay γ, A = strict_lower(βKKᵀ ⊙ e^{γ_i-γ_j}), (I+A)⁻¹ by forward substitution on SUB-row
+blocks plus block combination (`gdn_common.chunk_inverse`), U = (I+A)⁻¹βV, W = (I+A)⁻¹βe^γK and the key scale
+s = e^{γ_last-γ} (with the key norm). `_output_parts_kernel` forms QKᵀ ⊙ Dec and the query factor, also in
+parallel. `_scan_kernel` is the only sequential part: per (long row, head, dv tile) it walks the row's chunks
+with the state in registers, V' = U - W S, S <- e^{γ_last} S + Kᵀ(s ⊙ V'), and adds the output's two
+state-dependent products inside its loop, O = (e^γ Q) S_enter + (QKᵀ ⊙ Dec) V', so the entering states and V'
+never go to memory; it writes the final state. The chunk table (`chunk_tables`) is built on the device from
+query_start_loc; its length is fixed by T and R. Head sizes must be Triton tiles (`gdn_common.tiles_supported`).
 """
 
 from __future__ import annotations
@@ -27,15 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .common import interpret_default, triton_params
-from .gdn_chunked import CHUNK, SUB, _chunk_inverse
-from .gdn_pallas import _delta_step, _dot, _inv_norm, _value_block
+from .gdn_common import CHUNK, SHORT_ROW, SUB, chunk_inverse, delta_step, dot, inv_norm, tiles_supported, value_block
 
 f32 = jnp.float32
-SHORT_ROW = 16  # rows of up to this many tokens run the token loop
-
-
-def kernels_support(dk: int, dv: int) -> bool:
-    return all(d >= 16 and d == pl.next_power_of_2(d) for d in (dk, dv))
 
 
 def max_long_rows(T: int, R: int) -> int:
@@ -92,7 +95,7 @@ def _short_rows_kernel(qsl_ref, slot_ref, start_ref, fresh_ref, verify_ref, q_re
 
         def token(i, S):
             t = t0 + i
-            S, o = _delta_step(q_ref[t, hk, :], k_ref[t, hk, :], v_ref[t, h, cols], g_ref[t, h], beta_ref[t, h], scale,
+            S, o = delta_step(q_ref[t, hk, :], k_ref[t, hk, :], v_ref[t, h, cols], g_ref[t, h], beta_ref[t, h], scale,
                                S)
             o_ref[t, h, cols] = o
             # a verify row keeps the state after each of its first W tokens: checkpoint i
@@ -106,7 +109,7 @@ def _short_rows_kernel(qsl_ref, slot_ref, start_ref, fresh_ref, verify_ref, q_re
 
 def _prep_kernel(cstart_ref, clen_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kscale_ref, gam_ref, *, group,
                  dtype):
-    """One (chunk, value head): `gdn_chunked._prep_kernel`'s γ, (I+A)⁻¹, U, W and key scale for the chunk's tokens
+    """One (chunk, value head): γ, (I+A)⁻¹, U, W and the key scale for the chunk's tokens
     of the stream, stored at the chunk's rows of the chunk-major outputs; tokens past its length are zeros."""
     from jax.experimental.pallas import triton as plt
 
@@ -126,26 +129,28 @@ def _prep_kernel(cstart_ref, clen_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
               for t, ok in blocks]
         gs = [plt.load(g_ref.at[t, h], mask=ok, other=0.0) for t, ok in blocks]
         betas = [plt.load(beta_ref.at[t, h], mask=ok, other=0.0) for t, ok in blocks]
-        inv_norm = [_inv_norm(x) for x in ks]
+        inv_norms = [inv_norm(x) for x in ks]
         rows = [pl.ds(c * CHUNK + i * SUB, SUB) for i in range(nsub)]
         gam, last = [], jnp.zeros((), f32)
         for r, g in zip(rows, gs):
             gam.append(jnp.cumsum(g) + last)
             last = last + jnp.sum(g)
             gam_ref[r, h] = gam[-1]
-        inv = _chunk_inverse(ks, inv_norm, betas, gam, dtype)
-        w_scale = [betas[j] * inv_norm[j] * jnp.exp(gam[j]) for j in range(nsub)]
+        inv = chunk_inverse(ks, inv_norms, betas, gam, dtype)
+        w_scale = [betas[j] * inv_norms[j] * jnp.exp(gam[j]) for j in range(nsub)]
         for i in range(nsub):
-            u = sum(_dot(inv[i, j] * betas[j][None, :], vs[j], dtype) for j in range(i + 1))
-            w = sum(_dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
+            u = sum(dot(inv[i, j] * betas[j][None, :], vs[j], dtype) for j in range(i + 1))
+            w = sum(dot(inv[i, j] * w_scale[j][None, :], ks[j], dtype) for j in range(i + 1))
             u_ref[rows[i], h, :] = u.astype(u_ref.dtype)
             w_ref[rows[i], h, :] = w.astype(w_ref.dtype)
-            kscale_ref[rows[i], h] = jnp.where(blocks[i][1], inv_norm[i] * jnp.exp(last - gam[i]), 0.0)
+            kscale_ref[rows[i], h] = jnp.where(blocks[i][1], inv_norms[i] * jnp.exp(last - gam[i]), 0.0)
 
 
 def _output_parts_kernel(cstart_ref, clen_ref, q_ref, k_ref, gam_ref, intra_ref, qf_ref, *, group, scale, dtype):
-    """One (chunk, value head): intra = (QKᵀ ⊙ Dec) and the query factor qf = scale e^γ / |q| of
-    `gdn_chunked._output_parts_kernel` for the chunk's tokens of the stream (zeros past its length)."""
+    """One (chunk, value head): the state-independent parts of the output for `_scan_kernel`, intra =
+    (QKᵀ ⊙ Dec) [CHUNK, CHUNK] (L2-normed, scaled queries and keys, Dec_ij = e^{γ_i-γ_j} for i >= j, zero
+    above) and the query factor qf = scale e^γ / |q| [CHUNK], for the chunk's tokens of the stream (zeros
+    past its length). The product takes the raw q and k as loaded; the norms scale it after, in fp32."""
     from jax.experimental.pallas import triton as plt
 
     c, h = pl.program_id(0), pl.program_id(1)
@@ -162,10 +167,10 @@ def _output_parts_kernel(cstart_ref, clen_ref, q_ref, k_ref, gam_ref, intra_ref,
         rows = pl.ds(c * CHUNK, CHUNK)
         r = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
         cc = lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-        inv_q, inv_k = _inv_norm(q), _inv_norm(k)
+        inv_q, inv_k = inv_norm(q), inv_norm(k)
         gam = gam_ref[rows, h]
         decay = jnp.exp(jnp.where(r >= cc, gam[:, None] - gam[None, :], -jnp.inf))
-        intra = _dot(q, k.T, dtype) * (scale * inv_q)[:, None] * inv_k[None, :] * decay
+        intra = dot(q, k.T, dtype) * (scale * inv_q)[:, None] * inv_k[None, :] * decay
         intra_ref[rows, h, :] = intra.astype(intra_ref.dtype)
         qf_ref[rows, h] = jnp.where(ok, scale * inv_q * jnp.exp(gam), 0.0)
 
@@ -196,20 +201,20 @@ def _scan_kernel(lrow_ref, first_ref, nch_ref, cstart_ref, clen_ref, slot_ref, s
             c = first_ref[row] + j
             t, ok = _tokens(cstart_ref[c], clen_ref[c], CHUNK, T)
             rows = pl.ds(c * CHUNK, CHUNK)
-            v_new = u_ref[rows, h, cols].astype(f32) - _dot(w_ref[rows, h, :], S, dtype)  # [CHUNK, BV]
+            v_new = u_ref[rows, h, cols].astype(f32) - dot(w_ref[rows, h, :], S, dtype)  # [CHUNK, BV]
             q = plt.load(q_ref.at[t[:, None], hk, d], mask=ok[:, None], other=0)
-            o = qf_ref[rows, h][:, None] * _dot(q, S, dtype) + _dot(intra_ref[rows, h, :], v_new, dtype)
+            o = qf_ref[rows, h][:, None] * dot(q, S, dtype) + dot(intra_ref[rows, h, :], v_new, dtype)
             # o has CHUNK rows past T, so the store's indices need no clipping
             out_t = cstart_ref[c] + lax.iota(jnp.int32, CHUNK)
             plt.store(o_ref.at[out_t[:, None], h, vcols], o, mask=ok[:, None])
             k = plt.load(k_ref.at[t[:, None], hk, d], mask=ok[:, None], other=0)
             g_last = gam_ref[c * CHUNK + CHUNK - 1, h]
-            return S * jnp.exp(g_last) + _dot(k.T, v_new * kscale_ref[rows, h][:, None], dtype)
+            return S * jnp.exp(g_last) + dot(k.T, v_new * kscale_ref[rows, h][:, None], dtype)
 
         pool_ref[slot, jnp.int32(0), h, :, cols] = lax.fori_loop(0, nch_ref[row], chunk, S)
 
 
-def gdn_ragged_pallas(q, k, v, g, beta, pool, query_start_loc, slots, start, fresh, verify, interpret=None,
+def gdn_ragged_chunked(q, k, v, g, beta, pool, query_start_loc, slots, start, fresh, verify, interpret=None,
                       warps: tuple[int, int, int, int] = (4, 2, 4, 4)):
     """The recurrence of a ragged step on the kernels; shapes and semantics in the module docstring. Returns
     (o [T, Hv, dv] fp32, updated pool). Rows must use distinct slots (padding rows may share the null slot:
@@ -217,7 +222,7 @@ def gdn_ragged_pallas(q, k, v, g, beta, pool, query_start_loc, slots, start, fre
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     R = slots.shape[0]
-    assert kernels_support(dk, dv) and pool.shape[2:] == (Hv, dk, dv), (q.shape, v.shape, pool.shape)
+    assert tiles_supported(dk, dv) and pool.shape[2:] == (Hv, dk, dv), (q.shape, v.shape, pool.shape)
     interpret = interpret_default(interpret)
     group = Hv // Hk
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
@@ -240,7 +245,7 @@ def gdn_ragged_pallas(q, k, v, g, beta, pool, query_start_loc, slots, start, fre
         out_shape=(sds((NC * CHUNK, Hv, CHUNK), dtype), sds((NC * CHUNK, Hv), f32)),
         grid=(NC, Hv), interpret=interpret, compiler_params=triton_params(parts_warps),
     )(cstart, clen, q, k, gam)
-    BV = _value_block(dv, L * Hv)
+    BV = value_block(dv, L * Hv)
     o = jnp.zeros((T + CHUNK, Hv, dv), f32)  # rows past T: where a last chunk's masked lanes point
     o, pool = pl.pallas_call(
         functools.partial(_scan_kernel, group=group, BV=BV, dtype=dtype),
@@ -248,7 +253,7 @@ def gdn_ragged_pallas(q, k, v, g, beta, pool, query_start_loc, slots, start, fre
         input_output_aliases={16: 0, 17: 1}, interpret=interpret,
         compiler_params=triton_params(scan_warps, num_stages=2),
     )(long_row, first, num_chunks, cstart, clen, slots, start, fresh, w, u, q, k, kscale, gam, qf, intra, o, pool)
-    BV = _value_block(dv, R * Hv)
+    BV = value_block(dv, R * Hv)
     o, pool = pl.pallas_call(
         functools.partial(_short_rows_kernel, group=group, BV=BV, scale=dk**-0.5),
         out_shape=(sds(o.shape, f32), sds(pool.shape, pool.dtype)), grid=(R, Hv, dv // BV),

@@ -1,5 +1,6 @@
-"""The pooled causal-conv kernel (interpret mode on CPU, compiled under -m gpu below) against the
-engine's XLA path: window read from the pool, conv + SiLU, new window written back."""
+"""The GDN conv (`pallas_kernels/gdn_conv.py`): the pooled kernel (interpret mode on CPU, compiled under -m gpu
+below) against the engine's XLA path: window read from the pool, conv + SiLU, new window written back. The
+ragged XLA form: tests/test_gdn_ragged.py."""
 
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from helpers import gpu_test
 from jaxgdn.engine.pools import read_conv, write_conv
 from jaxgdn.engine.state import GDNSlots
 from jaxgdn.model.gdn import causal_conv_silu
-from pallas_kernels.conv_pallas import causal_conv_pooled, causal_conv_prompt, conv_kernel_supports
+from pallas_kernels.gdn_conv import causal_conv_pooled, conv_kernel_supports
 
 
 def conv_checkpoint_inputs(window, mixed, spec_window: int):
@@ -94,64 +95,6 @@ def test_conv_kernel_supports_channel_tiles_only():
     assert conv_kernel_supports(6144) and conv_kernel_supports(48) and not conv_kernel_supports(40)
 
 
-@pytest.mark.parametrize("T, block_t, dtype", [(4, 16, jnp.float32), (37, 16, jnp.float32), (64, 32, jnp.bfloat16)])
-def test_prompt_conv_kernel_equals_the_xla_conv_split_into_q_k_v(T, block_t, dtype):
-    """causal_conv_prompt against causal_conv_silu over a nonzero window, its outputs the channel ranges of
-    q, k, v; T = 4 reads the window in every output (the first tile's path), 37 a partial last tile.
-    The input carries extra channels past C (the fused projection's z, b, a), which must not be read."""
-    r = np.random.default_rng(T)
-    B, Kc, widths = 2, 4, (32, 32, 48)
-    C = sum(widths)
-    x = jnp.asarray(r.standard_normal((B, T, C + 16)), dtype)
-    window = jnp.asarray(r.standard_normal((B, Kc - 1, C)), dtype)
-    weight = jnp.asarray(r.standard_normal((C, 1, Kc)), dtype)
-    u_ref, _ = causal_conv_silu(x[..., :C], window, weight)
-    outs = causal_conv_prompt(x, widths, weight, window, block_t=block_t, block_c=16)
-    assert [o.shape[-1] for o in outs] == list(widths) and all(o.dtype == dtype for o in outs)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, -1), np.float32), np.asarray(u_ref, np.float32),
-                               rtol=tol, atol=tol)
-
-
-def test_gdn_inputs_with_the_prompt_conv_kernel_equal_the_xla_conv():
-    """impl "pallas" routes a long row's conv through the kernel (q, k, v, window, mixed all equal)."""
-    from helpers import small_config
-
-    from jaxgdn.model.config import LINEAR_ATTENTION
-    from jaxgdn.model.gdn import gdn_inputs
-    from jaxgdn.model.params import fuse_projections, init_random_params
-    from pallas_kernels.gdn import use_prompt_conv_kernel
-
-    cfg = small_config()
-    params = init_random_params(cfg)
-    i = cfg.layer_types.index(LINEAR_ATTENTION)
-    p, p_fused = params.layers[i].mixer, fuse_projections(params).layers[i].mixer
-    assert p_fused.fused is not None  # the kernel then reads q‖k‖v out of the whole fused product
-    T = 40
-    assert use_prompt_conv_kernel("pallas", T) and not use_prompt_conv_kernel("chunked", T)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, T, cfg.hidden_size))
-    window = jax.random.normal(jax.random.PRNGKey(2), (2, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim))
-    num_valid = jnp.array([T, 25])
-    want = gdn_inputs(p, cfg, x, window, num_valid, impl="chunked")
-    for mixer in (p, p_fused):
-        got = gdn_inputs(mixer, cfg, x, window, num_valid, impl="pallas")
-        for name in ("q", "k", "v", "g", "beta", "z", "conv", "mixed"):
-            np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
-                                       rtol=1e-5, atol=1e-5, err_msg=name)
-        # z_source holds z in place: the whole fused product, or z itself
-        B, T, Hv, dv = got.z.shape
-        z_in_source = got.z_source[..., got.z_offset : got.z_offset + Hv * dv].reshape(got.z.shape)
-        assert (mixer.fused is not None) == (got.z_source.shape[-1] > Hv * dv)
-        np.testing.assert_array_equal(np.asarray(z_in_source), np.asarray(got.z))
-
-
-def test_prompt_conv_kernel_lowers_to_triton_without_a_gpu():
-    x = jnp.zeros((1, 64, 6144 + 2080), jnp.bfloat16)
-    weight, window = jnp.zeros((6144, 1, 4), jnp.bfloat16), jnp.zeros((1, 3, 6144), jnp.bfloat16)
-    fn = lambda x: causal_conv_prompt(x, (2048, 2048, 2048), weight, window, interpret=False)  # noqa: E731
-    assert "triton" in jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().lower()
-
-
 @gpu_test
 @pytest.mark.parametrize("T, K", [(1, 0), (4, 3)])
 def test_conv_kernel_compiled_equals_the_xla_path(T, K):
@@ -163,18 +106,3 @@ def test_conv_kernel_compiled_equals_the_xla_path(T, K):
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     np.testing.assert_allclose(f32(u)[real], f32(u_ref)[real], rtol=2e-2, atol=2e-2)
     np.testing.assert_array_equal(f32(pool)[1:], f32(pool_ref)[1:])
-
-
-@gpu_test
-@pytest.mark.parametrize("T", [300, 2048])
-def test_prompt_conv_kernel_compiled_equals_the_xla_conv(T):
-    """The Triton-lowered whole-prompt conv at the 0.8B widths (q, k, v of 2048 channels, bf16, read out
-    of the fused projection's 8224) against gdn.causal_conv_silu; T = 300 ends on a partial tile."""
-    r = np.random.default_rng(T)
-    x = jnp.asarray(r.standard_normal((2, T, 8224)), jnp.bfloat16)
-    window = jnp.asarray(r.standard_normal((2, 3, 6144)), jnp.bfloat16)
-    weight = jnp.asarray(r.standard_normal((6144, 1, 4)) * 0.5, jnp.bfloat16)
-    u_ref, _ = jax.jit(causal_conv_silu)(x[..., :6144], window, weight)
-    outs = jax.jit(lambda x, w, win: causal_conv_prompt(x, (2048, 2048, 2048), w, win))(x, weight, window)
-    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    np.testing.assert_allclose(f32(jnp.concatenate(outs, -1)), f32(u_ref), rtol=2e-2, atol=2e-2)

@@ -1,6 +1,7 @@
-"""Gated delta rule (the GDN recurrence), reference implementations and the one dispatch function.
+"""The gated delta rule (the GDN recurrence) in XLA: the definition the kernels are tested against, the forms the
+model oracle and training run, and the ragged form that serves where the Pallas kernels do not (CPU).
 
-All implementations share one signature and the math of docs/qwen35-architecture.md §6.5:
+Math of docs/qwen35-architecture.md §6.5. Dense forms, [B, T] rows:
 
     q, k: [B, T, Hk, dk] (post conv+SiLU, not yet L2-normed); v: [B, T, Hv, dv]
     g: [B, T, Hv] fp32 log decay (<= 0); beta: [B, T, Hv] fp32
@@ -10,23 +11,25 @@ All implementations share one signature and the math of docs/qwen35-architecture
 q and k are L2-normalised inside (eps 1e-6 inside the sqrt) and q is scaled by dk^-1/2. Value head j
 reads key head j // (Hv // Hk) (repeat-interleave). Per step, with S in [dk, dv]:
     S = exp(g) S;  S += k ⊗ beta (v - Sᵀk);  o = Sᵀ q
+
+Ragged form (`gdn_ragged_reference`), one flat stream of a step's tokens: token t belongs to row token_row[t]
+(-1: padding, with g = beta = 0), row r owns tokens query_start_loc[r] .. query_start_loc[r+1]-1 and starts
+from its own state; tokens never mix across rows.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from .common import on_gpu
-from .gdn_chunked import gdn_chunked_pallas
-from .gdn_pallas import gdn_recurrent_pallas
+from .gdn_common import row_offsets
 
 CHUNK_SIZE = 64
+f32 = jnp.float32
 
 
-def _prepare(q, k, v, g, beta, initial_state):
+def _prepare_dense(q, k, v, g, beta, initial_state):
     """Shared preamble: heads to Hv, fp32, L2 norm, query scale, head-major [B, H, T, d]; zero state if None."""
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -44,7 +47,7 @@ def _prepare(q, k, v, g, beta, initial_state):
 
 
 def _recurrent_scan(q, k, v, g, beta, initial_state, keep_states: bool):
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, state = _prepare_dense(q, k, v, g, beta, initial_state)
 
     def step(S, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
@@ -73,7 +76,7 @@ def gdn_recurrent_checkpoints(q, k, v, g, beta, initial_state=None):
     return _recurrent_scan(q, k, v, g, beta, initial_state, keep_states=True)
 
 
-def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE):
+def gdn_chunked_reference(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE):
     """Chunked (WY / UT-transform) form, lax.scan over chunks. Same math as the recurrence.
 
     Inside a chunk of C steps with cumulative log decay γ: Dec_ij = exp(γ_i - γ_j) for i >= j (masked to
@@ -81,7 +84,7 @@ def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SI
     solved as unit-lower-triangular; U = Tm⁻¹(βV), W = Tm⁻¹(β e^γ K); per chunk with entering state S:
     Vn = U - W S; O = (e^γ Q) S + (QKᵀ⊙Dec) Vn; S <- e^{γ_last} S + (e^{γ_last-γ} K)ᵀ Vn.
     """
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, state = _prepare_dense(q, k, v, g, beta, initial_state)
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     # Short inputs (decode, verify windows) use a chunk of the next power of two >= T: a single-token
@@ -126,68 +129,47 @@ def gdn_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SI
     return o.transpose(0, 2, 1, 3), state
 
 
-# Short inputs (decode, spec-verify windows) run the token loop; longer ones the chunked form.
-RECURRENT_MAX_T = 16
+def _prepare_ragged(q, k, v, g, beta):
+    """Heads to Hv, fp32 (or wider), L2-normed q and k, q scaled: [T, Hv, d] each, g and beta [T, Hv]."""
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv = v.shape[1]
+    if Hv != Hk:
+        q = jnp.repeat(q, Hv // Hk, axis=1)
+        k = jnp.repeat(k, Hv // Hk, axis=1)
+    wide = jnp.promote_types(v.dtype, f32)
+    q, k, v, g, beta = (a.astype(wide) for a in (q, k, v, g, beta))
+    q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * (dk**-0.5)
+    k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    return q, k, v, g, beta
 
 
-def gdn_auto(q, k, v, g, beta, initial_state=None):
-    """The Pallas kernels on a GPU (recurrent for T <= RECURRENT_MAX_T, chunked above), the XLA chunked
-    form elsewhere: interpreting a Pallas kernel on CPU is for tests, not for serving."""
-    if not on_gpu():
-        return gdn_chunked(q, k, v, g, beta, initial_state)
-    if q.shape[1] <= RECURRENT_MAX_T:
-        return gdn_recurrent_pallas(q, k, v, g, beta, initial_state)
-    return gdn_chunked_pallas(q, k, v, g, beta, initial_state)
+def gdn_ragged_reference(q, k, v, g, beta, token_row, query_start_loc, initial_state, num_checkpoints: int = 1):
+    """The recurrence token by token (lax.scan over the stream), each token updating its row's state.
 
+    q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] fp32, initial_state [R, Hv, dk, dv] fp32 -> o [T, Hv, dv]
+    fp32 (zeros on padding), final states [R, Hv, dk, dv], and the states after each of a row's first W =
+    num_checkpoints tokens [R, W, Hv, dk, dv] (the final state past the row's end)."""
+    R = initial_state.shape[0]
+    W = num_checkpoints
+    q, k, v, g, beta = _prepare_ragged(q, k, v, g, beta)
+    valid, row, offset = row_offsets(token_row, query_start_loc)
+    states = initial_state.astype(q.dtype)
+    checkpoints = jnp.zeros((R, W, *states.shape[1:]), states.dtype)
 
-def runs_chunked_pallas(impl: str, T: int) -> bool:
-    """Whether `gated_delta_rule(impl=impl)` runs rows of T tokens on the chunked Pallas kernel: "pallas"
-    anywhere (interpret mode on CPU), "auto" on a GPU above RECURRENT_MAX_T tokens."""
-    return impl == "pallas" or (impl == "auto" and on_gpu() and T > RECURRENT_MAX_T)
+    def step(carry, xs):
+        states, checkpoints = carry
+        q_t, k_t, v_t, g_t, b_t, ok, r, i = xs  # [Hv, d] / [Hv]
+        S = states[r] * jnp.exp(g_t)[:, None, None]
+        pred = jnp.einsum("hkv,hk->hv", S, k_t)
+        S = S + k_t[:, :, None] * (b_t[:, None] * (v_t - pred))[:, None, :]
+        o_t = jnp.einsum("hkv,hk->hv", S, q_t)
+        states = states.at[r].set(jnp.where(ok, S, states[r]))
+        c = jnp.minimum(i, W - 1)
+        checkpoints = checkpoints.at[r, c].set(jnp.where(ok & (i < W), S, checkpoints[r, c]))
+        return (states, checkpoints), jnp.where(ok, o_t, 0)
 
-
-def use_prompt_conv_kernel(impl: str, T: int) -> bool:
-    """Whether the GDN layer's conv over rows of T tokens runs as `conv_pallas.causal_conv_prompt`: long
-    rows (above RECURRENT_MAX_T) where `impl` runs the chunked Pallas kernel: it writes q, k and v straight
-    from the conv, without XLA's slices."""
-    return T > RECURRENT_MAX_T and runs_chunked_pallas(impl, T)
-
-
-GDNImpl = Callable[..., tuple]
-_IMPLS: dict[str, GDNImpl] = {
-    "auto": gdn_auto,
-    "chunked": gdn_chunked,
-    "scan": gdn_recurrent_reference,
-    "pallas": gdn_chunked_pallas,
-    "pallas_recurrent": gdn_recurrent_pallas,
-}
-
-
-def register_gdn_impl(name: str, fn: GDNImpl) -> None:
-    """Plug in another implementation (a Pallas kernel) under `name`; it must match the signature above."""
-    _IMPLS[name] = fn
-
-
-def available_gdn_impls() -> tuple[str, ...]:
-    return tuple(_IMPLS)
-
-
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", gate=None, gates=None):
-    """Dispatch to the implementation named `impl` ("auto", "chunked", "scan", "pallas",
-    "pallas_recurrent" or a registered kernel).
-
-    gate: a `gdn_pallas.OutputGate` (the layer's gated RMS norm) for the chunked Pallas kernel to apply
-    (after its scan); o is then the normed output in z's
-    dtype. gates: a `gdn_pallas.GateSource` for its prep kernel to compute g and beta from (pass g = beta =
-    None). Only where `runs_chunked_pallas`."""
-    if gate is not None or gates is not None:
-        if not runs_chunked_pallas(impl, q.shape[1]):
-            raise ValueError(f"gate= and gates= need the chunked Pallas kernel; impl {impl!r} does not run it at "
-                             f"T={q.shape[1]}")
-        return gdn_chunked_pallas(q, k, v, g, beta, initial_state, gate=gate, gates=gates)
-    try:
-        fn = _IMPLS[impl]
-    except KeyError:
-        raise ValueError(f"unknown GDN implementation {impl!r}; available: {available_gdn_impls()}") from None
-    return fn(q, k, v, g, beta, initial_state)
-
+    (states, checkpoints), o = lax.scan(step, (states, checkpoints), (q, k, v, g, beta, valid, row, offset))
+    n = query_start_loc[1:] - query_start_loc[:-1]
+    past_end = (jnp.arange(W)[None, :] >= n[:, None])[..., None, None, None]
+    checkpoints = jnp.where(past_end, states[:, None], checkpoints)
+    return o, states, checkpoints
