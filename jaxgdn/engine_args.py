@@ -66,6 +66,15 @@ def add_engine_args(ap: argparse.ArgumentParser, **defaults) -> argparse._Argume
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model's heads, MLP and vocabulary over N devices (a mesh axis; with --pd, N for "
                         "each worker); N must divide the head counts (default 1)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages and GDN state of prompt prefixes computed before (exact: same outputs; "
+                        "default on)")
+    e.add_argument("--prefix-cache-state-interval", type=int, default=256, metavar="TOKENS",
+                   help="GDN state snapshots where a prompt reaches a multiple of this many tokens; a hit resumes "
+                        "at the last one inside the shared prefix (a multiple of --kv-page-size; default %(default)s)")
+    e.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="GDN state snapshots the prefix cache keeps (default: a tenth of the KV pages' memory on a "
+                        "GPU, two per request slot elsewhere)")
     e.add_argument("--pd", action="store_true", help="prefill/decode disaggregation with explicit state handoff")
     e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
                    help="restore vLLM's pre-#47466 behaviour (wrong outputs under PD + MTP, concurrency > 1)")
@@ -85,6 +94,8 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         "decode_steps_per_launch": args.decode_steps_per_launch, "fold_norms": not args.no_fold_norms,
         "fused_decode_kernels": not args.no_fused_decode_kernels, "library_gemms_min_tokens": args.library_gemms_min_tokens,
         "precompile": args.precompile != "off", "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_cache_state_interval": args.prefix_cache_state_interval, "num_state_snapshots": args.num_state_snapshots,
     }
     config = EngineConfig(**{**fields, **overrides})
     use_memory_fraction(config.gpu_memory_utilization)

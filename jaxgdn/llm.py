@@ -176,11 +176,21 @@ class LLM:
         bar.close()
         return self.engine.outputs(rids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); the next requests compute theirs again. Returns True."""
+        for engine in self.engines:
+            engine.reset_prefix_cache()
+        return True
+
     def metrics(self) -> dict:
         """Speculative decoding counters, PD handoff bytes, model steps and device launches of everything
-        served so far (a launch may run several decode steps: decode_steps_per_launch)."""
+        served so far (a launch may run several decode steps: decode_steps_per_launch), and the prefix cache's
+        prompt tokens looked up and found (hit rate: found / looked up)."""
         m = self.engine.spec_metrics()
         m["handoff_bytes"] = getattr(self.engine, "handoff_bytes_in", 0)  # a PD decode worker's
         m["num_steps"] = self.engine.num_steps
         m["num_launches"] = self.engine.num_launches
+        stats = (self.prefill_worker or self.engine).prefix.stats  # a PD prefill worker's cache
+        m["prefix_cache_queries"], m["prefix_cache_hits"] = stats.queries, stats.hits
+        m["prefix_cache_hit_rate"] = stats.hit_rate
         return m

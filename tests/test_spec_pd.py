@@ -94,6 +94,22 @@ def test_regression_47466_reproduced_and_fixed():
         assert alone[0].token_ids == ref(p)
 
 
+def test_regression_47466_reproduced_with_prefix_cache_hits():
+    """With the prefill worker resuming every prompt from its cache, the fix still holds and the bug still fires."""
+    shared = prompt(200, 24)
+    prompts = [shared + prompt(210 + i, 3 + i) for i in range(6)]
+    outs = {}
+    for bug in (False, True):
+        cfg = ecfg(num_speculative_tokens=1, pd=True, reproduce_pd_mtp_bug=bug, prefix_cache_state_interval=8)
+        P, D = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=3), DecodeWorker(PARAMS, CFG, cfg, garbage_seed=4)
+        run_disaggregated(P, D, [shared + [5, 6]], [GREEDY])  # fills the cache
+        rids = run_disaggregated(P, D, prompts, [GREEDY] * len(prompts))
+        outs[bug] = [D.output(r) for r in rids]
+        assert all(o.num_cached_tokens == 16 for o in outs[bug])
+    assert all(o.token_ids == ref(p) for o, p in zip(outs[False], prompts))
+    assert sum(o.token_ids != ref(p) for o, p in zip(outs[True], prompts)) >= 1
+
+
 def committed_states(eng, slot):
     """(conv window, ssm) per GDN layer at the committed offset num_accepted - 1."""
     st = eng.runner.state

@@ -34,7 +34,7 @@ def child_tokens(settings: list[dict]) -> list:
 
 
 def assert_same_as_tp1(settings: list[dict], results: list) -> None:
-    key = lambda s: (s["K"], s["pd"], s.get("kernels", False))  # noqa: E731
+    key = lambda s: (s["K"], s["pd"], s.get("kernels", False), s.get("prefix", False))  # noqa: E731
     base = {key(s): r for s, r in zip(settings, results) if s["tp"] == 1}
     for s, r in zip(settings, results):
         assert r == base[key(s)], f"tokens at {s} differ from tensor_parallel_size 1"
@@ -65,10 +65,10 @@ def grid(tps, K, pd, **extra):
 def test_tp_tokens_equal_single_device():
     """Greedy and seeded tokens at TP 2 and 4 equal TP 1's: plain steps at TP 4 (the vocabulary padded); PD + MTP
     (K=2) with handoffs as bytes, whose conv windows change channel order between the mesh and the wire, at TP 2
-    with the prefill worker on devices 0-1 and the decode worker on 2-3. (-m slow: the other combinations, and
-    the Pallas kernels, interpreted, run per shard.)"""
+    with the prefill worker on devices 0-1 and the decode worker on 2-3; prefix-cache hits at TP 2 (snapshots
+    split as the slots). (-m slow: the other combinations, and the Pallas kernels, interpreted, run per shard.)"""
     settings = grid((1, 4), 0, False) + grid((1,), 2, True, bytes=True) + [
-        {"tp": 2, "K": 2, "pd": True, "bytes": True, "decode_from": 2}]
+        {"tp": 2, "K": 2, "pd": True, "bytes": True, "decode_from": 2}] + grid((1, 2), 0, False, prefix=True)
     assert_same_as_tp1(settings, child_tokens(settings))
 
 

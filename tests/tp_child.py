@@ -1,7 +1,9 @@
 """Run in its own process by test_tensor_parallel.py, on virtual CPU devices: greedy (and seeded) tokens of one
 random config served at several tensor-parallel sizes, as JSON on stdout.
 
-argv: a JSON list of settings {"tp", "K", "pd", "bytes", "decode_from", "kernels" (the Pallas kernels, interpreted)}; the process sets its device count before JAX starts.
+argv: a JSON list of settings {"tp", "K", "pd", "bytes", "decode_from", "kernels" (the Pallas kernels, interpreted),
+"prefix" (requests that resume from the prefix cache's pages and sharded snapshots)}; the process sets its device
+count before JAX starts.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ def tp_config():
                         tie_word_embeddings=True)
 
 
-def workload():
-    """Mixed prompt lengths (one spans two chunks); every third request sampled with a seed."""
+def workload(prefix: bool = False):
+    """Mixed prompt lengths (one spans two chunks); every third request sampled with a seed. prefix: two more that
+    share the 40-token prompt's first 33 and 40 tokens."""
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(2, 250, n)] for n in (5, 17, 40, 3, 9, 1)]
+    if prefix:
+        prompts += [prompts[2][:33] + [7, 8], prompts[2] + [9]]
     params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8 if i % 3 == 2 else 0.0, seed=i)
               for i in range(len(prompts))]
     return prompts, params
@@ -50,8 +55,9 @@ def serve(setting: dict) -> list[list[int]]:
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, dtype="float32",
                         tensor_parallel_size=setting["tp"], num_speculative_tokens=setting["K"], pd=setting["pd"],
                         compilation_cache=False, **({"gdn_impl": "pallas", "attention_impl": "pallas"}
-                                                    if setting.get("kernels") else {}))
-    prompts, params = workload()
+                                                    if setting.get("kernels") else {}),
+                        **({"kv_page_size": 4, "prefix_cache_state_interval": 8} if setting.get("prefix") else {}))
+    prompts, params = workload(setting.get("prefix", False))
     if not setting["pd"]:
         engine = LLMEngine(weights, cfg, ecfg)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]

@@ -117,9 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     sv = add("serve", "the serving benchmark: wall time, tokens/s and latencies of a workload, cold and warm")
     sv.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
-    sv.add_argument("--dataset", choices=["random", "sharegpt-like", "task"], default="random",
+    sv.add_argument("--dataset", choices=["random", "sharegpt-like", "task", "prefix"], default="random",
                     help="random: uniform lengths in --input-len / --output-len; sharegpt-like: lognormal lengths "
-                         "with ShareGPT's means; task: the shipped task's test prompts (outputs of --output-len's max)")
+                         "with ShareGPT's means; task: the shipped task's test prompts (outputs of --output-len's max); "
+                         "prefix: a shared system prompt of --prefix-len tokens, then random prompts of --input-len "
+                         "(served warm with prefix caching on and off)")
+    sv.add_argument("--prefix-len", type=int, default=1024, help="--dataset prefix: the shared prompt's tokens")
+    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.enable_prefix_caching (default on)")
     sv.add_argument("--num-prompts", type=int, default=1000)
     sv.add_argument("--input-len", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
     sv.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))

@@ -1,11 +1,14 @@
 """`bench serve`: the serving benchmark, like vLLM's benchmark_throughput / benchmark_serving.
 
 A seeded workload (`random`: uniform prompt and output lengths; `sharegpt-like`: lognormal lengths with
-ShareGPT's means, synthesised; `task`: the shipped task's test prompts) is served by `LLM` in a fresh process
+ShareGPT's means, synthesised; `task`: the shipped task's test prompts; `prefix`: one shared system prompt of
+--prefix-len tokens in front of random prompts) is served by `LLM` in a fresh process
 with an empty compilation cache: start-up (weights, memory plan, every step program compiled), the workload
 (cold: the first run, all requests at once or Poisson arrivals at --request-rate), and the same workload
 again in that process (warm). A second fresh process on the filled cache measures start-up with the
-persistent cache. Reported: wall times, total and output tokens/s, TTFT / TPOT / ITL at p50 and p99, programs
+persistent cache. Each run starts on an empty prefix cache (the warm run re-sends the same prompts); with
+--dataset prefix the warm run is also served with prefix caching off ("warm_no_prefix_caching"). Reported: wall
+times, total and output tokens/s, prefix-cache hit rate, TTFT / TPOT / ITL at p50 and p99, programs
 compiled after start-up (must be 0), peak device memory, and the bound for the same requests (prompt FLOPs
 over the measured matmul rate, plus the decode steps at the batch reached over the bandwidth roofline).
 Peer: transformers' continuous batching (`generate_batch`) on the same requests, or `generate` at batch 32
@@ -14,6 +17,7 @@ with left padding where that fails (the error is recorded).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,9 +34,12 @@ def make_requests(args, vocab: int, tokenizer=None) -> list[tuple[list[int], int
     """[(prompt ids, max_tokens)] of the workload, from args.seed."""
     rng = np.random.default_rng(args.seed)
     n = args.num_prompts
-    if args.dataset == "random":
+    if args.dataset in ("random", "prefix"):
         lengths = rng.integers(args.input_len[0], args.input_len[1] + 1, n)
         outputs = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
+        if args.dataset == "prefix":  # the shared system prompt first, then each request's own tokens
+            system = [int(t) for t in rng.integers(0, vocab, args.prefix_len)]
+            return [(system + [int(t) for t in rng.integers(0, vocab, int(m))], int(o)) for m, o in zip(lengths, outputs)]
     elif args.dataset == "sharegpt-like":
         lognormal = lambda mean: rng.lognormal(np.log(mean) - SHAREGPT_SIGMA**2 / 2, SHAREGPT_SIGMA, n)  # noqa: E731
         room = args.max_model_len - 1
@@ -64,6 +71,8 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 
     eng, prefill = llm.engine, llm.prefill_worker
+    llm.reset_prefix_cache()  # hits come from this run's own requests
+    before = llm.metrics()
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1 / request_rate, len(requests)) if request_rate > 0 else np.zeros(len(requests))
     arrivals = np.cumsum(gaps) - gaps[0]
@@ -123,7 +132,11 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     errors = sum(eng.requests[r].error is not None for r in done)
     prompt_tokens = sum(len(p) for p, _ in requests)
     output_tokens = sum(len(times) for _, times in done.values())
+    after = llm.metrics()
+    looked_up = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    found = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     return {"wall_s": wall, "requests": len(requests), "finished": len(done), "errors": errors,
+            "prefix_cache_hit_rate": found / looked_up if looked_up else None, "prefix_cache_hit_tokens": found,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
             "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl)}
@@ -145,6 +158,19 @@ def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_g
             "batch": batch, "matmul_tflops": matmul_tflops, "bandwidth_gbs": bandwidth_gbs}
 
 
+@contextlib.contextmanager
+def prefix_caching_off(llm):
+    """Serve without looking up or filling the prefix cache, on the same engine (programs and memory plan)."""
+    saved = [e.prefix.enabled for e in llm.engines]
+    for e in llm.engines:
+        e.prefix.enabled = False
+    try:
+        yield
+    finally:
+        for e, enabled in zip(llm.engines, saved):
+            e.prefix.enabled = enabled
+
+
 def engine_config(args):
     from ..engine.config import EngineConfig
     from ..engine_args import use_memory_fraction
@@ -156,7 +182,8 @@ def engine_config(args):
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         decode_steps_per_launch=args.decode_steps_per_launch,
                         library_gemms_min_tokens=args.library_gemms_min_tokens,
-                        tensor_parallel_size=args.tensor_parallel_size, pd=args.pd)
+                        tensor_parallel_size=args.tensor_parallel_size, pd=args.pd,
+                        enable_prefix_caching=args.enable_prefix_caching)
 
 
 def child_run(args) -> dict:
@@ -179,6 +206,9 @@ def child_run(args) -> dict:
     out["cold"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
     out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
     out["warm"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
+    if args.dataset == "prefix":  # the same engine and programs, the cache left unused
+        with prefix_caching_off(llm):
+            out["warm_no_prefix_caching"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
     out["compiles_after_startup"] = llm.compiles_after_startup
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
@@ -204,7 +234,8 @@ def _child(args, which: str, cache_dir: str) -> dict:
 
 def _forwarded(args) -> list[str]:
     """The workload and engine flags, for the child processes."""
-    flags = ["--model", args.model, "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
+    flags = ["--model", args.model, "--dataset", args.dataset, "--prefix-len", str(args.prefix_len),
+             "--num-prompts", str(args.num_prompts),
              "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
              "--request-rate", str(args.request_rate), "--seed", str(args.seed),
              *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
@@ -213,6 +244,7 @@ def _forwarded(args) -> list[str]:
              "--num-speculative-tokens", str(args.num_speculative_tokens),
              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
              "--tensor-parallel-size", str(args.tensor_parallel_size), *(["--pd"] if args.pd else []),
+             "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
              "--matmul-size", str(args.matmul_size), "--bandwidth-bytes", str(args.bandwidth_bytes)]
     if args.decode_steps_per_launch is not None:
         flags += ["--decode-steps-per-launch", str(args.decode_steps_per_launch)]
@@ -270,10 +302,12 @@ def bench_serve(args) -> dict:
     cold = _child(args, "workload", cache_dir)
     warm_start = None if args.cache_dir else _child(args, "startup", cache_dir)
     payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+               **({"prefix_len": args.prefix_len} if args.dataset == "prefix" else {}),
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
                "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
-                   "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd")},
+                   "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd",
+                   "enable_prefix_caching")},
                "cold_process": cold}
     if warm_start is None:
         payload["note"] = f"one process on the compilation cache {args.cache_dir} as earlier runs left it"
@@ -287,6 +321,11 @@ def bench_serve(args) -> dict:
           f"warm {w['wall_s']:.2f} s: {w['total_tokens_per_s']:.0f} tok/s total, {w['output_tokens_per_s']:.0f} out, "
           f"{w['fraction_of_bound']:.0%} of the bound; TTFT p50 {w['ttft_ms']['p50']:.0f} ms, TPOT p50 "
           f"{w['tpot_ms']['p50']:.1f} ms; compiles after start-up {cold['compiles_after_startup']}", flush=True)
+    if "warm_no_prefix_caching" in cold:
+        off = cold["warm_no_prefix_caching"]
+        print(f"prefix cache: hit rate {w['prefix_cache_hit_rate']:.0%}, warm {w['wall_s']:.2f} s, TTFT p50 "
+              f"{w['ttft_ms']['p50']:.0f} ms; with it off {off['wall_s']:.2f} s, TTFT p50 {off['ttft_ms']['p50']:.0f} ms",
+              flush=True)
     if not args.no_peer:
         requests = make_requests(args, _vocab(args), _tokenizer(args))
         try:

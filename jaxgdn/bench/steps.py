@@ -162,7 +162,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
 
     def steps_back():  # model steps per row whose results reached the host
         # A verify step emits 1..1+K tokens a row: count the verify rows applied, not the tokens.
-        return eng.num_verify_rows / batch if K else tokens_back() / batch
+        return eng.spec_counters.num_verify_rows / batch if K else tokens_back() / batch
 
     times, t_first, before, after = [], time.perf_counter(), None, None
     first_timed = target = None  # the window's first call; steps_back() that ends it

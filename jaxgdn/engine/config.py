@@ -76,6 +76,13 @@ class EngineConfig:
     library_gemms_min_tokens: step programs of at least this many tokens compile their matrix products for
       cuBLAS(Lt) instead of XLA's Triton GEMMs, so XLA folds the residual adds into the products' epilogues;
       None turns it off. No effect off the GPU.
+    enable_prefix_caching: reuse the KV pages and GDN state of prefixes computed before (docs/prefix-caching.md):
+      pages are shared by content, the GDN state is resumed from snapshots. A PD prefill worker caches; its
+      decode worker imports every request's state and does not. Same outputs as without it.
+    prefix_cache_state_interval: GDN state snapshots are taken where a prompt's chunk ends at a multiple of
+      this many tokens (the scheduler cuts chunks there); a multiple of kv_page_size. Smaller resumes closer
+      to where prompts part, at the cost of more chunks and snapshots.
+    num_state_snapshots: snapshots the pool holds (None: planned by `memory.plan_memory`).
     tensor_parallel_size: devices each engine (each PD worker) splits the model's heads, MLP and vocabulary
       over (`tensor_parallel.py`); they must divide the model's head counts. A PD worker's devices are the
       tensor_parallel_size consecutive ones from prefill_device / decode_device (default 0).
@@ -106,6 +113,9 @@ class EngineConfig:
     fused_decode_kernels: bool = True
     library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    prefix_cache_state_interval: int = 256
+    num_state_snapshots: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -125,6 +135,9 @@ class EngineConfig:
             (self.decode_steps_per_launch is None or self.decode_steps_per_launch >= 1,
              "decode_steps_per_launch must be >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.prefix_cache_state_interval >= 1 and self.prefix_cache_state_interval % self.kv_page_size == 0,
+             "prefix_cache_state_interval must be a positive multiple of kv_page_size"),
+            (self.num_state_snapshots is None or self.num_state_snapshots >= 1, "num_state_snapshots must be >= 1"),
             (self.library_gemms_min_tokens is None or self.library_gemms_min_tokens >= 0,
              "library_gemms_min_tokens must be >= 0 or None"),
             (self.decode_steps_per_launch in (None, 1) or self.uses_async_scheduling

@@ -26,9 +26,12 @@ from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput,
                       validate_request)
 from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
-from .state import init_engine_state
+from .state import init_engine_state, init_snapshots
 from .step_layout import BlockTables, StepArrays, build_step, empty_step, pack_step_arrays
 from .placement import Placement
+from .prefix_cache import PrefixCache
+from .snapshots import PrefixCaching, SnapshotCopier
+from .spec_decode import SpecCounters
 from .tensor_parallel import local_config
 
 
@@ -40,6 +43,8 @@ class LLMEngine:
     need beyond what they hold now (the decode worker plans around its prefill worker's step temporaries).
     policy: the kernel policy (default `ecfg.kernel_policy` for the
     device's platform). garbage_seed: fill every state buffer with garbage (slot-hygiene tests)."""
+
+    caches_prefixes = True  # with ecfg.enable_prefix_caching (a PD decode worker imports its prompts instead)
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *,
                  garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
@@ -69,19 +74,28 @@ class LLMEngine:
                                   mesh=self.mesh)
         new_state = lambda pages, garbage=None: init_engine_state(  # noqa: E731
             cfg, ecfg, pages, num_spec=self.K, with_mtp=with_mtp, garbage_seed=garbage)
+        caching = ecfg.enable_prefix_caching and self.caches_prefixes
         # a shard's pools are its heads' share: the per-device plan is the local config's
         self.memory = plan_memory(self.step_cfg, ecfg, with_mtp, device_memory(self.device),
                                   lambda pages: self._step_peak(self.placement.abstract_state(lambda: new_state(pages))),
-                                  memory_share, memory_reserved)
+                                  memory_share, memory_reserved, snapshots=caching)
         num_pages = self.memory.num_kv_pages
         if num_pages - 1 < ecfg.max_pages_per_seq:
             raise ValueError(
                 f"EngineConfig: {num_pages - 1} usable KV pages cannot hold one sequence of max_model_len "
                 f"{ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})"
             )
-        self.scheduler = Scheduler(ecfg, num_pages)
+        num_snapshots = self.memory.num_snapshots
+        self.prefix = PrefixCache(num_pages, ecfg.kv_page_size, num_snapshots,
+                                  ecfg.prefix_cache_state_interval if cfg.gdn_layer_ids else 0, enabled=caching)
+        self.scheduler = Scheduler(ecfg, num_pages, self.prefix)
         self.runner.state = self.placement.make_state(lambda: new_state(num_pages, garbage_seed),
                                                       host_drawn=garbage_seed is not None)
+        copier = None
+        if num_snapshots:
+            snapshots = self.placement.make_state(lambda: init_snapshots(cfg, ecfg, num_snapshots))
+            copier = SnapshotCopier(cfg, snapshots, self.runner.buffer_sharding)
+        self.prefix_caching = PrefixCaching(self.prefix, copier)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -90,10 +104,7 @@ class LLMEngine:
         # Every token fed to the model, per request: (position, token id). Tests check prompt fidelity.
         self.record_inputs = False
         self.fed_tokens: dict[int, list[tuple[int, int]]] = {}
-        # Speculative decoding counters, per draft position.
-        self.drafted_per_position = np.zeros(max(self.K, 1), np.int64)
-        self.accepted_per_position = np.zeros(max(self.K, 1), np.int64)
-        self.num_verify_rows = 0
+        self.spec_counters = SpecCounters(self.K)
         # Test hook: replace the MTP drafts of a request before they are verified (adversarial drafts).
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         # Async scheduling: the dispatched step whose results are not applied yet.
@@ -126,6 +137,8 @@ class LLMEngine:
         start-up (`compiles_after_startup`). Returns the number compiled."""
         before = self.runner.num_compiles
         self.runner.precompile(self.program_keys(sampled), on_compiled)
+        if self.prefix_caching.copier:
+            self.prefix_caching.copier.compile(self.runner.state)
         self.runner.started = True
         return self.runner.num_compiles - before
 
@@ -184,7 +197,13 @@ class LLMEngine:
             self._in_flight.pending.flat.block_until_ready()
             self._in_flight = None
         self.runner.close()
+        if self.prefix_caching.copier:
+            self.prefix_caching.copier.close()
         self.closed = True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (pages held by running requests stay theirs)."""
+        self.prefix.reset()
 
     def usage(self) -> dict:
         """Requests running and waiting, KV pages and request slots in use and in all (page 0 and slot 0,
@@ -245,6 +264,7 @@ class LLMEngine:
         for row in out.rows:
             self.slot_prefill_len[row.request.slot] = row.request.prefill_len
             self._admitted(row.request)
+        self.runner.state = self.prefix_caching.before(out.rows, self.runner.state)
         t0 = time.perf_counter()
         rows = out.rows
         shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
@@ -283,6 +303,7 @@ class LLMEngine:
         rebase = [id(row.request) in in_flight for row in out.rows]
         arrays, shape = self._prepare(out, rebase, num_steps)
         pending = self.runner.dispatch(arrays, num_steps, shape.width)
+        self.prefix_caching.after(out.rows, [r.request.num_computed for r in out.rows], self.runner.state)
         self.num_steps += num_steps
         self.num_launches += 1
         starts, out_index, excess = [], [], []
@@ -337,7 +358,7 @@ class LLMEngine:
                     continue
                 n = int(res.num_sampled[b])
                 if row.kind == RowKind.SPEC_VERIFY:
-                    self._count_acceptance(req, len(row.spec_tokens), n - 1)
+                    self.spec_counters.count(req.metrics, len(row.spec_tokens), n - 1)
                 for token in res.tokens[b, :n]:
                     req.output_token_ids[i + emitted] = int(token)
                     emitted += 1
@@ -364,24 +385,9 @@ class LLMEngine:
                     req.spec_token_ids = drafts
         self.timings["update"] += time.perf_counter() - now
 
-    def _count_acceptance(self, req: Request, n_draft: int, n_accepted: int) -> None:
-        self.num_verify_rows += 1
-        self.drafted_per_position[:n_draft] += 1
-        self.accepted_per_position[:n_accepted] += 1
-        req.metrics.num_drafted += n_draft
-        req.metrics.num_accepted_drafts += n_accepted
-
     def spec_metrics(self) -> dict:
         """Drafted/accepted counts, acceptance rate per draft position, mean acceptance length."""
-        drafted, accepted = int(self.drafted_per_position.sum()), int(self.accepted_per_position.sum())
-        rate = [float(a / d) if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-        return {
-            "num_drafted": drafted, "num_accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "acceptance_rate_per_position": rate[: self.K],
-            # tokens produced per verify step: 1 (correction or bonus) + accepted drafts
-            "mean_acceptance_length": 1 + accepted / self.num_verify_rows if self.num_verify_rows else None,
-        }
+        return self.spec_counters.metrics()
 
     def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None) -> None:
         """Bookkeeping for a request's output token number num_outputs (default: its last one): first
@@ -417,6 +423,7 @@ class LLMEngine:
             text=text, finish_reason=req.finish_reason, error=req.error, ttft=req.metrics.ttft,
             tpot=req.metrics.tpot(len(tokens)), num_preemptions=req.metrics.num_preemptions,
             num_drafted=req.metrics.num_drafted, num_accepted_drafts=req.metrics.num_accepted_drafts,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:

@@ -24,6 +24,7 @@ from .config import EngineConfig
 
 GiB = 1 << 30
 MARGIN_BYTES = 256 << 20  # XLA's and the runtime's own allocations beside the engine's buffers
+SNAPSHOT_SHARE = 0.1  # of what the KV pages could have, the prefix cache's GDN state snapshots take
 
 
 def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
@@ -39,6 +40,13 @@ def gdn_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     conv = (cfg.linear_conv_kernel_dim - 1 + K) * cfg.conv_dim * ecfg.jnp_dtype.itemsize
     ssm = (1 + K) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     return ecfg.num_slots * len(cfg.gdn_layer_ids) * (conv + ssm)
+
+
+def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """Bytes of one prefix-cache snapshot: every GDN layer's conv window (activation dtype) and fp32 state."""
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * ecfg.jnp_dtype.itemsize
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.gdn_layer_ids) * (conv + ssm)
 
 
 JAX_DEFAULT_MEMORY_FRACTION = 0.75  # of the GPU's memory, JAX's allocator's limit unless XLA_CLIENT_MEM_FRACTION says
@@ -71,37 +79,51 @@ class MemoryPlan:
     gdn_bytes: int
     step_peak: int  # temporaries of the largest step program (0: not measured)
     budget: int | None  # bytes the engine may use beside what was in use (None: no device limit)
+    num_snapshots: int = 0  # the prefix cache's GDN state snapshots, snapshot 0 included (0: none)
+    snapshot_bytes: int = 0  # of one
 
     def describe(self, ecfg: EngineConfig) -> str:
         pages = self.num_kv_pages - 1
         parts = [f"KV pages {pages} ({pages * ecfg.kv_page_size} tokens of context, "
                  f"{pages * self.page_bytes / GiB:.2f} GiB)",
                  f"GDN slots {ecfg.max_num_seqs} ({self.gdn_bytes / GiB:.2f} GiB)"]
+        if self.num_snapshots:
+            parts.append(f"prefix-cache state snapshots {self.num_snapshots - 1} "
+                         f"({(self.num_snapshots - 1) * self.snapshot_bytes / GiB:.2f} GiB)")
         if self.budget is not None:
             parts += [f"largest step program {self.step_peak / GiB:.2f} GiB", f"budget {self.budget / GiB:.2f} GiB"]
         return "memory: " + ", ".join(parts)
 
 
 def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, ...] | None,
-                step_peak: Callable[[int], int], share: float = 1.0, reserved: int = 0) -> MemoryPlan:
+                step_peak: Callable[[int], int], share: float = 1.0, reserved: int = 0,
+                snapshots: bool = False) -> MemoryPlan:
     """The engine's KV page count (module docstring). memory: (the device's bytes, bytes in use[, the
     allocator's limit]) as device_memory() gives them; gpu_memory_utilization is a fraction of the device's
     bytes, capped at the allocator's limit. step_peak(num_pages): bytes of the largest step program's
     temporaries, compiled on a pool of num_pages pages; reserved: bytes other engines on the device need
-    beyond what is in use."""
+    beyond what is in use. snapshots: the engine keeps prefix-cache state snapshots: ecfg.num_state_snapshots,
+    else SNAPSHOT_SHARE of what the pages could have (off the GPU: two per request slot)."""
     page = kv_bytes_per_page(cfg, ecfg, with_mtp)
     gdn = gdn_slot_bytes(cfg, ecfg)
+    snap = snapshot_bytes(cfg, ecfg) if snapshots and cfg.gdn_layer_ids else 0
     every_slot = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
-    if ecfg.num_kv_pages is not None:
-        return MemoryPlan(ecfg.num_kv_pages, page, gdn, 0, None)
-    if memory is None:
-        return MemoryPlan(every_slot, page, gdn, 0, None)
+    fixed = None if not snap else ecfg.num_state_snapshots
+    if ecfg.num_kv_pages is not None or memory is None:
+        num_snaps = 0 if not snap else 1 + (fixed if fixed is not None else 2 * ecfg.max_num_seqs)
+        pages = ecfg.num_kv_pages if ecfg.num_kv_pages is not None else every_slot
+        return MemoryPlan(pages, page, gdn, 0, None, num_snaps, snap)
     total, in_use, cap = (*memory, memory[0])[:3]
     usable = min(ecfg.gpu_memory_utilization * total, cap)
     budget = int(share * (usable - in_use - reserved))
     one_sequence = ecfg.max_pages_per_seq + 1
     peak = step_peak(one_sequence)
-    pages = (budget - gdn - peak - MARGIN_BYTES) // max(page, 1)
+    free = budget - gdn - peak - MARGIN_BYTES
+    num_snaps = 0
+    if snap:
+        num_snaps = 1 + (fixed if fixed is not None else max(int(SNAPSHOT_SHARE * free) // snap, 1))
+        free -= num_snaps * snap
+    pages = free // max(page, 1)
     if pages < one_sequence:
         raise ValueError(
             f"EngineConfig: the memory budget of {budget / GiB:.2f} GiB (gpu_memory_utilization "
@@ -114,4 +136,4 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
             f"({peak / GiB:.2f} GiB for max_num_batched_tokens {ecfg.max_num_batched_tokens}); one sequence of "
             f"max_model_len {ecfg.max_model_len} needs {one_sequence}. Lower max_num_seqs, max_num_batched_tokens "
             f"or max_model_len, or raise gpu_memory_utilization.")
-    return MemoryPlan(int(min(pages, every_slot)), page, gdn, peak, budget)
+    return MemoryPlan(int(min(pages, every_slot)), page, gdn, peak, budget, num_snaps, snap)

@@ -44,6 +44,7 @@ class Handoff:
     ssm: Array
     request_id: int = -1  # the prefill worker's id, for the orchestrator's bookkeeping
     fingerprint: str = ""  # config_fingerprint of the prefill side; the decode side must match it
+    num_cached_tokens: int = 0  # of the prompt, found in the prefill worker's prefix cache
 
     ARRAYS = ("kv_k", "kv_v", "mtp_k", "mtp_v", "conv", "ssm")
 
@@ -64,7 +65,7 @@ class Handoff:
             offset += arr.nbytes
         meta = {"prompt_token_ids": self.prompt_token_ids, "num_computed": self.num_computed,
                 "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id,
-                "fingerprint": self.fingerprint, "arrays": layout}
+                "fingerprint": self.fingerprint, "num_cached_tokens": self.num_cached_tokens, "arrays": layout}
         header = json.dumps(meta).encode()
         raw = [memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) for arr in host]
         return b"".join([self._MAGIC, len(header).to_bytes(8, "little"), header, *raw])
@@ -153,6 +154,7 @@ def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prom
         ssm=stack([g.ssm[slot, 0] for g in gdn]),
         request_id=req.request_id,
         fingerprint=fingerprint,
+        num_cached_tokens=req.num_cached_tokens or 0,
     )
 
 

@@ -142,6 +142,11 @@ class Request:
     # fill, spec_excess counts the unused ones removed so far (engine._apply).
     output_slack: int = 0
     spec_excess: int = 0
+    # Prefix caching (prefix_cache.py): the page keys of the current computation (prefill_len, keys), the
+    # snapshot to restore into the slot before the first step (0: none), tokens found cached at admission.
+    page_keys: tuple | None = dataclasses.field(default=None, repr=False)
+    restore_snapshot: int = 0
+    num_cached_tokens: int | None = None
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -203,3 +208,4 @@ class RequestOutput:
     num_preemptions: int = 0
     num_drafted: int = 0  # drafts verified for this request
     num_accepted_drafts: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) when it started

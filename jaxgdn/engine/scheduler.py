@@ -15,6 +15,7 @@ import math
 import time
 
 from .config import EngineConfig
+from .prefix_cache import PrefixCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
 from .state import FreeList
 
@@ -68,10 +69,13 @@ def runs_verify_path(row: "ScheduledRow", reproduce_pd_mtp_bug: bool) -> bool:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, num_pages: int):
+    """prefix: the prefix cache, whose page allocator the scheduler uses (None: one with caching off)."""
+
+    def __init__(self, ecfg: EngineConfig, num_pages: int, prefix: PrefixCache | None = None):
         self.ecfg = ecfg
         self.K = ecfg.num_speculative_tokens
-        self.pages = FreeList(num_pages, "KV pages")  # page 0 is the null page
+        self.prefix = prefix or PrefixCache(num_pages, ecfg.kv_page_size, 0, 0, enabled=False)
+        self.pages = self.prefix.pages  # page 0 is the null page
         self.slots = FreeList(ecfg.num_slots, "request slots")  # slot 0 is the null slot
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -140,6 +144,8 @@ class Scheduler:
             spec, n = [-1] * self.K, 1 + self.K
         else:
             n = max(0, min(req.num_tokens - req.num_computed, budget, room))
+            if kind == RowKind.PREFILL_CHUNK:  # stop where a state snapshot is due
+                n = self.prefix.chunk_end(req, req.num_computed + n) - req.num_computed
         if n == 0:
             return None
         samples = req.num_computed + n - len(spec) == req.num_tokens and not req.prefill_only
@@ -223,13 +229,17 @@ class Scheduler:
             budget -= row.num_tokens
         while self.waiting and budget > 0 and self.slots.num_free:
             req = self.waiting[0]
+            hit = self.prefix.hold(req)  # before _plan and _pages_for: it starts after its cached tokens
             row = self._plan(req, budget, rows)
             if row is None or self._pages_for(row) > self.pages.num_free:
+                if hit is not None:
+                    self.prefix.release(req)
                 break  # FCFS: later requests wait behind the head
             need = self._pages_for(row)
+            self.prefix.admit(req, hit)
             self.waiting.popleft()
             (req.slot,) = self.slots.allocate(1)
-            req.pages = self.pages.allocate(need)
+            req.pages += self.pages.allocate(need)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             rows.append(row)

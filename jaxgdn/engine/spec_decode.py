@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .sampling import filtered_log_probs
 
@@ -77,3 +78,33 @@ def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic
     d_ext = jnp.concatenate([d, jnp.zeros((R, 1), d.dtype)], axis=1)
     tokens = jnp.where(i < n_acc[:, None], d_ext, jnp.where(i == n_acc[:, None], final[:, None], -1))
     return tokens.astype(jnp.int32), (n_acc + 1).astype(jnp.int32)
+
+
+class SpecCounters:
+    """Drafts verified and accepted so far, per draft position, and verify rows (an engine's, on the host)."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.drafted_per_position = np.zeros(max(K, 1), np.int64)
+        self.accepted_per_position = np.zeros(max(K, 1), np.int64)
+        self.num_verify_rows = 0
+
+    def count(self, metrics, n_draft: int, n_accepted: int) -> None:
+        """A verify row of n_draft drafts accepted n_accepted; metrics: its request's RequestMetrics."""
+        self.num_verify_rows += 1
+        self.drafted_per_position[:n_draft] += 1
+        self.accepted_per_position[:n_accepted] += 1
+        metrics.num_drafted += n_draft
+        metrics.num_accepted_drafts += n_accepted
+
+    def metrics(self) -> dict:
+        """Drafted/accepted counts, acceptance rate per draft position, mean acceptance length."""
+        drafted, accepted = int(self.drafted_per_position.sum()), int(self.accepted_per_position.sum())
+        rate = [float(a / d) if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return {
+            "num_drafted": drafted, "num_accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_rate_per_position": rate[: self.K],
+            # tokens produced per verify step: 1 (correction or bonus) + accepted drafts
+            "mean_acceptance_length": 1 + accepted / self.num_verify_rows if self.num_verify_rows else None,
+        }

@@ -1,6 +1,6 @@
 """State pools: paged attention KV (trunk + MTP layer), GDN slots, per-slot sampling state.
 
-Host side: `FreeList`s hand out KV page ids and persistent request slots.
+Host side: a `FreeList` hands out persistent request slots (KV pages: `prefix_cache.PageCache`).
 Device side: `EngineState`, one pytree donated to every jitted step.
   - attention layer i: k, v pools [num_pages, page_size, Hkv, D]; page 0 is the null page that padded
     tokens write to and no real request owns.
@@ -8,6 +8,9 @@ Device side: `EngineState`, one pytree donated to every jitted step.
     [num_slots, 1+K, Hv, dk, dv] fp32 (checkpoint num_accepted-1 is the committed state); slot 0 is
     the null slot of padded rows.
   - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K].
+Beside it, never an argument of a step program (each argument costs every launch's dispatch): the prefix cache's
+snapshots (`init_snapshots`), per GDN layer conv [N, Kc-1, C] and ssm [N, Hv, dk, dv] fp32, the state after a
+cached prefix (`snapshots.py`); snapshot 0 is the null one padding copies write.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ class PagedKV:
 class GDNSlots:
     conv: Array  # [num_slots, Kc-1+K, C]
     ssm: Array  # [num_slots, 1+K, Hv, dk, dv] fp32
+
+
+@struct.dataclass
+class GDNSnapshots:
+    conv: Array  # [num_snapshots, Kc-1, C]
+    ssm: Array  # [num_snapshots, Hv, dk, dv] fp32
 
 
 @struct.dataclass
@@ -111,4 +120,14 @@ def init_engine_state(
     return jax.tree.unflatten(treedef, noisy)
 
 
-__all__ = ["EngineState", "FreeList", "GDNSlots", "PagedKV", "init_engine_state"]
+def init_snapshots(cfg: ModelConfig, ecfg: EngineConfig, num_snapshots: int) -> tuple:
+    """The prefix cache's snapshot pools: a GDNSnapshots per GDN layer (empty for num_snapshots 0)."""
+    if not num_snapshots:
+        return ()
+    return tuple(GDNSnapshots(
+        conv=jnp.zeros((num_snapshots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), ecfg.jnp_dtype),
+        ssm=jnp.zeros((num_snapshots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                      jnp.float32)) for _ in cfg.gdn_layer_ids)
+
+
+__all__ = ["EngineState", "FreeList", "GDNSlots", "GDNSnapshots", "PagedKV", "init_engine_state", "init_snapshots"]

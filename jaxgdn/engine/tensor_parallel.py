@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..model.config import ModelConfig
 from ..model.params import AttentionParams, GDNParams, MLPParams, ModelParams
-from .state import EngineState, GDNSlots, PagedKV
+from .state import EngineState, GDNSlots, GDNSnapshots, PagedKV
 
 TP = "tp"
 COLUMNS = P(TP, None)  # [out, in] weights split on their output rows
@@ -141,12 +141,15 @@ def param_specs(params: ModelParams) -> ModelParams:
 
 
 def state_specs(state: EngineState) -> EngineState:
-    """A pytree of PartitionSpecs shaped like an EngineState: pools split by head, bookkeeping replicated."""
+    """A pytree of PartitionSpecs shaped like an EngineState (or a tuple of GDNSnapshots): pools split by head,
+    bookkeeping replicated."""
     def pool(x):
         if isinstance(x, PagedKV):
             return PagedKV(k=P(None, None, TP, None), v=P(None, None, TP, None))
         return GDNSlots(conv=P(None, None, TP), ssm=P(None, None, TP, None, None))
 
+    if isinstance(state, tuple):  # the prefix cache's snapshot pools (state.init_snapshots), split as the slots
+        return tuple(GDNSnapshots(conv=P(None, None, TP), ssm=P(None, TP, None, None)) for _ in state)
     return dataclasses.replace(jax.tree.map(lambda _: REPLICATED, state), layers=tuple(map(pool, state.layers)),
                                mtp_layers=tuple(map(pool, state.mtp_layers)))
 

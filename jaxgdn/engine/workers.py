@@ -53,6 +53,8 @@ class PrefillWorker(_Worker):
 class DecodeWorker(_Worker):
     """Imports Handoffs into fresh pages/slots and serves the request from the prompt tail on."""
 
+    caches_prefixes = False  # every prompt arrives as state; its prefill worker caches
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.handoff_bytes_in = 0
@@ -62,6 +64,7 @@ class DecodeWorker(_Worker):
         configuration, or with arrays of the wrong sizes, finishes its request with an error."""
         rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params, error=self.check(handoff))
         req = self.requests[rid]
+        req.num_cached_tokens = handoff.num_cached_tokens
         if req.error is None and handoff.num_computed:
             req.num_computed = handoff.num_computed
             req.handoff = handoff

@@ -73,6 +73,7 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     handoff: Handoff | None = None  # a request pushed to a decode role prefilled
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -259,6 +260,7 @@ async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
     try:
         async for delta in gen:
             c.token_ids += delta.token_ids
+            c.cached_tokens = max(c.cached_tokens, delta.num_cached_tokens)
             text = c.text.add(delta.token_ids, final=delta.finished)
             if c.text.stopped:
                 c.finish_reason = "stop"
@@ -274,9 +276,16 @@ async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
 
 
 def _usage(choices: list[_Choice]) -> dict:
-    prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+    """OpenAI's usage: a prompt shared by several choices counts once, with its cached tokens as found by the
+    choice that found most."""
+    prompts: dict[int, tuple[int, int]] = {}  # id of the prompt -> (its tokens, cached)
+    for c in choices:
+        n, cached = prompts.get(id(c.prompt_ids), (len(c.prompt_ids), 0))
+        prompts[id(c.prompt_ids)] = (n, max(cached, c.cached_tokens))
+    prompt = sum(n for n, _ in prompts.values())
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached for _, cached in prompts.values())}}
 
 
 async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choice], chat: bool,

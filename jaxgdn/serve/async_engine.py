@@ -38,6 +38,7 @@ class Delta:
     error: str | None = None
     handoff: Handoff | None = None
     output: RequestOutput | None = None
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,8 @@ class Delta:
 
     def then(self, later: "Delta") -> "Delta":
         """This delta followed by a later one of the same request, as one."""
-        return Delta(self.token_ids + later.token_ids, later.finish_reason, later.error, later.handoff, later.output)
+        return Delta(self.token_ids + later.token_ids, later.finish_reason, later.error, later.handoff, later.output,
+                     max(self.num_cached_tokens, later.num_cached_tokens))
 
 
 class RequestTimedOut(RuntimeError):
@@ -279,9 +281,10 @@ class AsyncEngine:
                 output = s.engine.output(s.rid)
                 s.engine.forget(s.rid)
                 self._finished(req.finish_reason)
-                self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output), batches)
+                self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output,
+                                         num_cached_tokens=output.num_cached_tokens), batches)
             elif new:
-                self._safe_sink(s, Delta(new), batches)
+                self._safe_sink(s, Delta(new, num_cached_tokens=req.num_cached_tokens or 0), batches)
         for loop, items in batches.items():
             _call_on(loop, _fill_queues, items)
         if self.on_emit is not None:
@@ -324,6 +327,7 @@ class AsyncEngine:
             "compiles_after_startup": sum(e.compiles_after_startup for e in self.engines),
             "num_steps": sum(e.num_steps for e in self.engines),
             "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
+            "prefix_cache_queries": main.prefix.stats.queries, "prefix_cache_hits": main.prefix.stats.hits,
         }
 
 

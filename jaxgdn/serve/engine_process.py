@@ -64,7 +64,7 @@ def _engine_main(conn, model: str, config: EngineConfig, log_level: str) -> None
     def sink(handle: int):
         def put(delta: Delta) -> None:
             with lock:
-                outbox.append((handle, delta.token_ids, delta.finish_reason, delta.error))
+                outbox.append((handle, delta.token_ids, delta.finish_reason, delta.error, delta.num_cached_tokens))
             if delta.finished:
                 handles.pop(handle, None)
         return put
@@ -204,10 +204,11 @@ class EngineClient:
                 return
             _, batch, self.snapshot, alive, error = message
             batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for handle, token_ids, finish_reason, err in batch:
+            for handle, token_ids, finish_reason, err, cached in batch:
                 stream = self._streams.pop(handle, None) if finish_reason else self._streams.get(handle)
                 if stream is not None:
-                    batches.setdefault(stream[0], []).append((stream[1], Delta(token_ids, finish_reason, error=err)))
+                    delta = Delta(token_ids, finish_reason, error=err, num_cached_tokens=cached)
+                    batches.setdefault(stream[0], []).append((stream[1], delta))
             for loop, items in batches.items():
                 _call_on(loop, _fill_queues, items)
             if not alive and not self.closing:

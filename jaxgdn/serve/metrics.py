@@ -21,6 +21,8 @@ COUNTERS = {
     "num_steps": ("jaxgdn_model_steps", "model steps run"),
     "spec_drafted": ("jaxgdn_spec_decode_draft_tokens", "MTP draft tokens verified"),
     "spec_accepted": ("jaxgdn_spec_decode_accepted_tokens", "MTP draft tokens accepted"),
+    "prefix_cache_queries": ("jaxgdn_prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("jaxgdn_prefix_cache_hits", "prompt tokens found in the prefix cache (not computed)"),
 }
 
 

@@ -1,0 +1,283 @@
+"""Prefix caching, host side: KV pages by content and GDN state snapshots by prefix (docs/prefix-caching.md).
+
+A full page p of a sequence is named by a chained key: the hash of page p-1's key and the tokens at positions
+p*ps .. (p+1)*ps, one past the page. The extra token is there for the MTP layer, whose KV entry at position t
+joins the trunk's hidden state at t with the token at t+1: a page is reused only where its last entry was
+computed with the same next token. Pages are shared by reference count; a page nobody holds stays cached
+until its memory is needed and is evicted least recently used first.
+
+A GDN layer's state summarises a whole prefix, so a prefix of L tokens can be resumed only where the state
+after exactly L tokens was kept: a snapshot (every GDN layer's conv window and recurrent state) named by the
+key of page L/ps - 1. A hit resumes at the longest L with both the pages for [0, L) and a snapshot at L, and
+always leaves at least one token to compute (the last prompt token's logits, a PD prefill worker's export).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import numpy as np
+
+ROOT_KEY = b"jaxgdn-prefix"
+
+
+def page_keys(tokens, page_size: int, parent: bytes = ROOT_KEY, first: int = 0) -> list[bytes]:
+    """Keys of pages first, first+1, ... of a sequence whose known tokens are `tokens` (page p needs the
+    tokens up to position (p+1)*page_size, one past its end); parent: the key of page first-1."""
+    ids = np.asarray(tokens, np.int64)
+    keys = []
+    p = first
+    while (p + 1) * page_size < len(ids):
+        parent = hashlib.blake2b(parent + ids[p * page_size : (p + 1) * page_size + 1].tobytes(),
+                                 digest_size=16).digest()
+        keys.append(parent)
+        p += 1
+    return keys
+
+
+class PageCache:
+    """The KV page allocator with a content index (FreeList's interface: allocate, free, num_free).
+
+    Page 0 is the null page and never handed out. A page is held by reference count; freed to 0 it goes to
+    the free list if it holds no published content, else to the tail of the LRU of cached pages, which
+    `allocate` evicts from the head once the free list is empty."""
+
+    def __init__(self, num_pages: int):
+        self._free = list(range(num_pages - 1, 0, -1))  # uncached, lowest id handed out first
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refcount 0
+        self.refs = np.zeros(num_pages, np.int32)
+        self.page_of: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.key_of)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise MemoryError(f"need {n} KV pages, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._lru.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+                self.num_evicted += 1
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page, last page first (a sequence's tail is evicted before its head)."""
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self._lru[page] = None
+                else:
+                    self._free.append(page)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of keys."""
+        pages = []
+        for key in keys:
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def acquire(self, pages: list[int]) -> None:
+        """Take a reference to cached pages (a hit)."""
+        for page in pages:
+            if self.refs[page] == 0:
+                del self._lru[page]
+            self.refs[page] += 1
+
+    def publish(self, page: int, key: bytes) -> None:
+        """Name a held page by its content. A key cached already (another page with the same content) keeps
+        its page; this one stays unnamed and is freed as usual."""
+        if key not in self.page_of and page not in self.key_of:
+            self.page_of[key] = page
+            self.key_of[page] = key
+
+    def reset(self) -> None:
+        """Forget every name: cached free pages go back to the free list; held pages stay held, unnamed."""
+        self._free.extend(sorted(self._lru, reverse=True))
+        self._lru.clear()
+        self.page_of.clear()
+        self.key_of.clear()
+
+
+class SnapshotIndex:
+    """Which device snapshot (1 .. n-1; 0 is the null snapshot padding copies write) holds the state after
+    which prefix key; least recently used first out. A snapshot is copied on the device in launch order, so
+    one evicted and overwritten after a restore was dispatched never corrupts that restore."""
+
+    def __init__(self, num_snapshots: int):
+        self.capacity = max(num_snapshots - 1, 0)
+        self._free = list(range(num_snapshots - 1, 0, -1))
+        self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, key: bytes) -> int | None:
+        sid = self._lru.get(key)
+        if sid is not None:
+            self._lru.move_to_end(key)
+        return sid
+
+    def add(self, key: bytes) -> int:
+        """A snapshot id for key's state (evicting the least recently used when none is free)."""
+        if self._free:
+            sid = self._free.pop()
+        else:
+            _, sid = self._lru.popitem(last=False)
+        self._lru[key] = sid
+        return sid
+
+    def reset(self) -> None:
+        self._free.extend(sorted(self._lru.values(), reverse=True))
+        self._lru.clear()
+
+
+@dataclasses.dataclass
+class PrefixHit:
+    """Where a request resumes: the cached pages of its first `num_tokens` tokens and the snapshot of the
+    state after them (0: no GDN layers, no snapshot needed)."""
+
+    pages: list[int]
+    num_tokens: int
+    snapshot: int
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Counts since start-up, in tokens: looked up (the prompts of admitted requests) and hit."""
+
+    queries: int = 0
+    hits: int = 0
+    snapshots_saved: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+
+class PrefixCache:
+    """The host's view of the cache for one engine: pages (`pages`, the scheduler's allocator), snapshots, the
+    keys of each request's known tokens, and what each dispatched row publishes.
+
+    state_interval: snapshots are taken where a prefill chunk ends at a multiple of it (the scheduler cuts
+    chunks there when the snapshot is not cached yet); 0 with no GDN layers (any page boundary resumes)."""
+
+    def __init__(self, num_pages: int, page_size: int, num_snapshots: int, state_interval: int, enabled: bool):
+        self.pages = PageCache(num_pages)
+        self.snapshots = SnapshotIndex(num_snapshots if enabled else 0)
+        self.page_size = page_size
+        self.state_interval = state_interval
+        self.enabled = enabled
+        self.stats = PrefixCacheStats()
+
+    @staticmethod
+    def known_tokens(req) -> list[int]:
+        """The tokens the request's current computation prefills, and the one after them where known (a PD
+        prefill worker's next prompt token)."""
+        known = req.token_slice(0, req.prefill_len)
+        if req.prefill_only and req.next_prompt_token is not None:
+            known = known + [req.next_prompt_token]
+        return known
+
+    def keys(self, req) -> list[bytes]:
+        """The request's page keys (made once per computation: a preempted request prefills more tokens)."""
+        if req.page_keys is None or req.page_keys[0] != req.prefill_len:
+            req.page_keys = (req.prefill_len, page_keys(self.known_tokens(req), self.page_size))
+        return req.page_keys[1]
+
+    def match(self, req) -> PrefixHit | None:
+        """The longest resumable prefix of a request about to start from its first token, or None."""
+        if not self.enabled or req.num_computed or req.handoff is not None:
+            return None
+        keys = self.keys(req)
+        pages = self.pages.lookup(keys)
+        n = min(len(pages), (req.prefill_len - 1) // self.page_size)  # at least one token left to compute
+        while n > 0:
+            if not self.state_interval:
+                return PrefixHit(pages[:n], n * self.page_size, 0)
+            sid = self.snapshots.get(keys[n - 1])
+            if sid is not None:
+                return PrefixHit(pages[:n], n * self.page_size, sid)
+            n -= 1
+        return None
+
+    def hold(self, req) -> PrefixHit | None:
+        """For a request about to start: its longest hit, held (its pages, num_computed after them), or None."""
+        hit = self.match(req)
+        if hit is not None:
+            self.pages.acquire(hit.pages)
+            req.pages, req.num_computed = list(hit.pages), hit.num_tokens
+        return hit
+
+    def release(self, req) -> None:
+        """Undo `hold` for a request that did not start after all."""
+        self.pages.free(req.pages)
+        req.pages, req.num_computed = [], 0
+
+    def admit(self, req, hit: PrefixHit | None) -> None:
+        """A request starts (after `hold`): count its lookup; with a hit, restore the snapshot before its first
+        step."""
+        if not self.enabled or req.handoff is not None or (req.num_computed and hit is None):
+            return
+        self.stats.queries += req.prefill_len
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit.num_tokens if hit else 0
+        if hit is not None:
+            req.restore_snapshot = hit.snapshot
+            self.stats.hits += hit.num_tokens
+
+    def chunk_end(self, req, end: int) -> int:
+        """Where a prefill chunk from req.num_computed to `end` stops: at the first state-interval boundary past
+        num_computed whose snapshot is not cached, if it comes before `end`."""
+        if not (self.enabled and self.state_interval):
+            return end
+        step = self.state_interval
+        boundary = (req.num_computed // step + 1) * step
+        keys = self.keys(req)
+        while boundary < end:
+            if boundary // self.page_size > len(keys):
+                return end
+            if keys[boundary // self.page_size - 1] not in self.snapshots:
+                return boundary
+            boundary += step
+        return end
+
+    def publish(self, req, start: int, end: int) -> bytes | None:
+        """A dispatched prefill row computed tokens [start, end): name its full pages with their keys; returns the
+        key of the snapshot to save after it (None: none)."""
+        if not self.enabled:
+            return None
+        keys = self.keys(req)
+        ps = self.page_size
+        for p in range(start // ps, min(end // ps, len(keys))):
+            self.pages.publish(req.pages[p], keys[p])
+        if self.state_interval and end % self.state_interval == 0 and 0 < end // ps <= len(keys):
+            key = keys[end // ps - 1]
+            if key not in self.snapshots:
+                return key
+        return None
+
+    def reset(self) -> None:
+        self.pages.reset()
+        self.snapshots.reset()
