@@ -70,7 +70,8 @@ def add_engine_args(ap: argparse.ArgumentParser, **defaults) -> argparse._Argume
                    help="reuse the KV pages and GDN state of prompt prefixes computed before (exact: same outputs; "
                         "default on)")
     e.add_argument("--prefix-cache-state-interval", type=int, default=256, metavar="TOKENS",
-                   help="GDN state snapshots where a prompt reaches a multiple of this many tokens; a hit resumes "
+                   help="GDN state snapshots where a prompt reaches a multiple of this many tokens inside a prefix "
+                        "another request computed (every 4th multiple elsewhere) and where requests end; a hit resumes "
                         "at the last one inside the shared prefix (a multiple of --kv-page-size; default %(default)s)")
     e.add_argument("--num-state-snapshots", type=int, default=None,
                    help="GDN state snapshots the prefix cache keeps (default: a tenth of the KV pages' memory on a "

@@ -21,10 +21,15 @@ def suffix(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, CFG.vocab_size, n)]
 
 
-def engine(**overrides) -> LLMEngine:
+def engine(every_boundary: bool = True, **overrides) -> LLMEngine:
+    """every_boundary: snapshots at every interval boundary, not only every COARSE-th one outside a shared prefix
+    (the exactness tests put boundaries everywhere; the rule itself has its own test)."""
     ecfg = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=80, kv_page_size=PAGE, dtype="float32",
-                prefix_cache_state_interval=INTERVAL, compilation_cache=False)
-    return LLMEngine(PARAMS, CFG, EngineConfig(**{**ecfg, **overrides}))
+                prefix_cache_state_interval=INTERVAL, num_state_snapshots=32, compilation_cache=False)
+    eng = LLMEngine(PARAMS, CFG, EngineConfig(**{**ecfg, **overrides}))
+    if every_boundary:
+        eng.prefix.coarse = 1
+    return eng
 
 
 def request(tokens, rid=0, **fields) -> Request:
@@ -38,7 +43,7 @@ def request(tokens, rid=0, **fields) -> Request:
 def test_page_keys_chain_and_read_one_token_past_the_page():
     keys = page_keys(list(range(13)), 4)
     assert len(keys) == 3  # page 2 (8..11) needs token 12; page 3 would need token 16
-    assert page_keys(list(range(12)), 4) == keys[:2]
+    assert page_keys(list(range(12)), 4) == keys[:2] and len(page_keys(list(range(12)), 4, lookahead=0)) == 3
     other_next = page_keys(list(range(8)) + [99, 9, 10, 11, 12], 4)
     assert other_next[0] == keys[0] and other_next[1] != keys[1]  # the token after page 1 is part of its key
     changed_first = page_keys([7] + list(range(1, 13)), 4)
@@ -75,25 +80,46 @@ def test_snapshot_index_evicts_least_recently_used():
 
 
 def test_a_hit_resumes_at_the_longest_prefix_with_a_snapshot_and_leaves_a_token():
-    cache = PrefixCache(32, PAGE, 8, INTERVAL, enabled=True)
+    cache = PrefixCache(32, PAGE, 8, INTERVAL, enabled=True)  # snapshots every 4 * 8 tokens, or 8 where shared
     first = request(BASE[:20])
     keys = cache.keys(first)
-    pages = cache.pages.allocate(5)
-    first.pages = pages
-    assert cache.chunk_end(first, 20) == 8  # a chunk stops at the first boundary without a snapshot
-    for start, end in ((0, 8), (8, 16), (16, 20)):  # chunks as the scheduler cut them
-        key = cache.publish(first, start, end)
+    first.pages = cache.pages.allocate(5)
+    assert len(keys) == 4  # page 4 (16..19) has no next token yet
+    assert cache.chunk_end(first, 20) == 20  # a prefix nobody computed before is not cut
+    assert cache.publish(first, 0, 20) is None and cache.match(request(BASE[:20], rid=1)) is None  # no snapshot yet
+    second = request(BASE[:20], rid=1)
+    second.pages = cache.pages.allocate(5)
+    assert cache.chunk_end(second, 20) == 8  # it shares first's pages: cut where a snapshot is due
+    for start, end in ((0, 8), (8, 16), (16, 20)):  # chunks as the scheduler cuts them
+        key = cache.publish(second, start, end)
         if key is not None:
             cache.snapshots.add(key)
-    assert len(keys) == 4 and len(cache.snapshots) == 2  # snapshots at 8 and 16; page 4 has no next token yet
-    same = request(BASE[:20], rid=1)
-    hit = cache.match(same)
-    assert hit.num_tokens == 16 and hit.pages == pages[:4]
-    assert cache.match(request(BASE[:16], rid=2)).num_tokens == 8  # 16 would leave nothing to compute
-    assert cache.match(request(BASE[:15] + [0, 0], rid=3)).num_tokens == 8  # parts at 15: pages 0-2 (12), snapshot 8
-    assert cache.match(request([BASE[0] + 1] + BASE[1:20], rid=4)) is None
-    assert cache.match(request(BASE[:20], rid=5, prefill_only=True, next_prompt_token=BASE[20])).num_tokens == 16
-    assert PrefixCache(32, PAGE, 8, INTERVAL, enabled=False).match(same) is None
+    assert len(cache.snapshots) == 2  # at 8 and 16
+    hit = cache.match(request(BASE[:20], rid=2))
+    assert hit.num_tokens == 16 and hit.pages == first.pages[:4]  # the first request's pages keep the names
+    assert cache.match(request(BASE[:16], rid=3)).num_tokens == 8  # 16 would leave nothing to compute
+    assert cache.match(request(BASE[:15] + [0, 0], rid=4)).num_tokens == 8  # parts at 15: pages 0-2, snapshot 8
+    assert cache.match(request([BASE[0] + 1] + BASE[1:20], rid=5)) is None
+    assert cache.match(request(BASE[:20], rid=6, prefill_only=True, next_prompt_token=BASE[20])).num_tokens == 16
+    assert PrefixCache(32, PAGE, 8, INTERVAL, enabled=False).match(request(BASE[:20], rid=7)) is None
+
+
+def test_prompts_that_share_nothing_are_cut_only_at_every_fourth_boundary():
+    """A prefix nobody shares yet gets a snapshot at every 4th interval boundary (32 here) only, so prompts that
+    share nothing are rarely cut; a later request on it resumes there."""
+    eng = engine(every_boundary=False)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    prompts = [suffix(40, 500 + i) for i in range(3)]
+    rids = [eng.add_request(p, sp) for p in prompts]
+    eng.run_until_done()
+    assert all(eng.output(r).token_ids == naive_greedy(PARAMS, CFG, p, 2) for r, p in zip(rids, prompts))
+    assert eng.prefix.stats.snapshots_saved == 3 + 3  # at 32 and at each end (inside a page)
+    again = []
+    for _ in range(2):
+        again.append(eng.add_request(prompts[0][:36] + [1, 2, 3], sp))
+        eng.run_until_done()
+    assert [eng.output(r).num_cached_tokens for r in again] == [32, 32]
+    assert eng.prefix.stats.snapshots_saved == 6 + 1  # the first's end (the second ends where it did)
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -104,7 +130,7 @@ def shared_prompts():
 
 
 def run_two_waves(eng, prompts, sp):
-    """BASE first, alone (its snapshots and pages are published), then every prompt at once."""
+    """BASE first, alone (its pages and snapshots are published), then every prompt at once."""
     first = eng.add_request(BASE + suffix(3, 99), sp)
     eng.run_until_done()
     rids = [eng.add_request(p, sp) for p in prompts]
@@ -128,9 +154,14 @@ def test_greedy_tokens_with_hits_equal_the_whole_computation(mode):
     _, rids = run_two_waves(eng, prompts, sp)
     for rid, p in zip(rids, prompts):
         assert eng.output(rid).token_ids == naive_greedy(PARAMS, CFG, p, 6), rid
-    # BASE[:16] + tail: pages 0-2 match (page 3's key reads the tail), the snapshot at 8; BASE again: 32
-    assert [eng.output(r).num_cached_tokens for r in rids] == [8, 8, 16, 24, 32]
-    assert eng.prefix.stats.hits == 88
+    assert [eng.output(r).num_cached_tokens for r in rids] == expected_hits(mode.get("num_speculative_tokens", 0))
+
+
+def expected_hits(K):
+    """shared_prompts()' hits after BASE: with MTP, BASE[:16] + tail matches pages 0-2 only (page 3's key reads the
+    tail's first token), so it resumes at the snapshot at 8; without MTP at 16. BASE again: 32 (39 tokens to
+    resume in, no snapshot at 36)."""
+    return [8 if K else 16, 8, 16, 24, 32]
 
 
 def test_mtp_kv_on_a_hit_equals_that_of_the_whole_computation():
@@ -160,18 +191,56 @@ def test_mtp_kv_on_a_hit_equals_that_of_the_whole_computation():
     for a, b in zip(kv_hit, kv_whole):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert drafts_hit == drafts_whole
-    assert cached == [8, 8, 16, 24, 32]
+    assert cached == expected_hits(2)
+
+
+@pytest.mark.parametrize("mode, exact_tail", [
+    (dict(async_scheduling=False), True),
+    (dict(async_scheduling=True, decode_steps_per_launch=2), True),
+    (dict(num_speculative_tokens=2, async_scheduling=False), False),
+    (dict(num_speculative_tokens=2, async_scheduling=True, decode_steps_per_launch=2), False),
+])
+def test_a_conversation_resumes_after_its_previous_turn(mode, exact_tail):
+    """Turn n+1's prompt is turn n's prompt, its output and a new message: it resumes where turn n's state was
+    kept at its end (inside a page: the partial page is copied), or at an interval snapshot where MTP verify
+    windows left that end known only on the device. Tokens equal whole computation, turn after turn."""
+    eng = engine(**mode)
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    prompt, previous = BASE[:30], 0
+    for turn in range(3):
+        rid = eng.add_request(prompt, sp)
+        eng.run_until_done()
+        out = eng.output(rid)
+        assert out.token_ids == naive_greedy(PARAMS, CFG, prompt, 6), turn
+        allowed = {previous} if exact_tail else {previous, previous // INTERVAL * INTERVAL}
+        assert out.num_cached_tokens in allowed, turn
+        previous = len(prompt) + 5  # its tokens but the last output, which it never fed
+        prompt = prompt + out.token_ids + suffix(3 + turn, 300 + turn)
+
+
+def test_a_hit_computes_fewer_prompt_tokens():
+    """Every token a hit skips is a prompt token not computed: counted, the same workload with caching off."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    stats = []
+    for caching in (True, False):
+        eng = engine(enable_prefix_caching=caching)
+        run_two_waves(eng, shared_prompts(), sp)
+        stats.append(eng.prefix.stats)
+    on, off = stats
+    assert on.hits > 0 and off.hits == 0
+    assert on.computed == off.computed - on.hits
 
 
 def test_seeded_sampling_is_the_same_with_a_hit():
     eng = engine()
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=8)
     prompt = BASE + suffix(3, 5)
-    a = eng.add_request(prompt, sp)
-    eng.run_until_done()
-    b = eng.add_request(prompt, sp)
-    eng.run_until_done()
-    assert eng.output(b).num_cached_tokens == 40 and eng.output(b).token_ids == eng.output(a).token_ids
+    rids = []
+    for _ in range(2):
+        rids.append(eng.add_request(prompt, sp))
+        eng.run_until_done()
+    a, b = eng.output(rids[0]), eng.output(rids[1])
+    assert b.num_cached_tokens == 40 and b.token_ids == a.token_ids
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_exact():
@@ -212,14 +281,21 @@ def test_pd_prefill_worker_caches_and_the_handoff_says_so():
     from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=80, kv_page_size=PAGE,
-                        dtype="float32", prefix_cache_state_interval=INTERVAL, compilation_cache=False, pd=True,
+                        dtype="float32", prefix_cache_state_interval=INTERVAL, num_state_snapshots=32,
+                        compilation_cache=False, pd=True,
                         num_speculative_tokens=2)
     P, D = PrefillWorker(PARAMS, CFG, ecfg), DecodeWorker(PARAMS, CFG, ecfg)
     assert P.prefix.enabled and not D.prefix.enabled
     sp = SamplingParams(temperature=0, max_tokens=5)
+    P.prefix.coarse = 1  # snapshots at every boundary (see engine())
     run_disaggregated(P, D, [BASE + suffix(2, 1)], [sp])
     prompts = shared_prompts()
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for rid, p in zip(rids, prompts):
         assert D.output(rid).token_ids == naive_greedy(PARAMS, CFG, p, 5), rid
-    assert [D.output(r).num_cached_tokens for r in rids] == [8, 8, 16, 24, 32]
+    assert [D.output(r).num_cached_tokens for r in rids] == expected_hits(2)
+    # the prompt boundary a prefill worker exported (inside a page) resumes a prompt that goes on from there
+    longer = BASE + suffix(6, 77)
+    (rid,) = run_disaggregated(P, D, [longer], [sp])
+    assert D.output(rid).num_cached_tokens == len(BASE) - 1 + 0 and D.output(rid).token_ids == naive_greedy(
+        PARAMS, CFG, longer, 5)

@@ -26,7 +26,7 @@ from jaxgdn.llm import LLM
 from jaxgdn.serve.async_engine import AsyncEngine, EngineDead
 
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, dtype="float32",
-                      precompile=False)
+                      precompile=False, prefix_cache_state_interval=32)
 pytestmark = pytest.mark.xdist_group("serve")  # one worker compiles the server's programs
 MODEL = "qwen35-tiny-arith"
 PROBLEMS = task.take("test", 200)
@@ -99,6 +99,27 @@ def test_openai_client_completions_chat_streaming_equal_generate(server, referen
     metrics = httpx.get(url + "/metrics").text
     assert "jaxgdn_kv_pages_used" in metrics and "jaxgdn_compiles_after_startup" in metrics
     assert_all_free(state)
+
+
+def test_chat_requests_sharing_a_long_prefix_report_cached_tokens(server, reference):
+    """Two chat requests that share their first turns (a solved example: a prefix of 150+ tokens): the second
+    reports cached prompt tokens, and both answer as LLM.generate does."""
+    url, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    shots = PROBLEMS[10:11]
+    history = [m for p in shots for m in ({"role": "user", "content": p.question},
+                                          {"role": "assistant", "content": p.solution})]
+    usages = []
+    for p in PROBLEMS[20:22]:
+        r = client.chat.completions.create(model=MODEL, messages=history + [{"role": "user", "content": p.question}],
+                                           max_tokens=32, temperature=0)
+        text = task.format_prompt(p.question, tuple((s.question, s.solution) for s in shots))  # the chat template's
+        offline = reference.generate([text], greedy(32), use_tqdm=False)[0]
+        assert r.choices[0].message.content == offline.text
+        assert r.usage.prompt_tokens == len(offline.prompt_token_ids)
+        usages.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert len(offline.prompt_token_ids) > 150 and usages[1] > 0
+    assert "jaxgdn_prefix_cache_hits" in httpx.get(url + "/metrics").text
 
 
 @pytest.mark.parametrize("body, param", [

@@ -102,6 +102,7 @@ def test_regression_47466_reproduced_with_prefix_cache_hits():
     for bug in (False, True):
         cfg = ecfg(num_speculative_tokens=1, pd=True, reproduce_pd_mtp_bug=bug, prefix_cache_state_interval=8)
         P, D = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=3), DecodeWorker(PARAMS, CFG, cfg, garbage_seed=4)
+        P.prefix.coarse = 1  # a snapshot at every interval boundary, not every 4th only
         run_disaggregated(P, D, [shared + [5, 6]], [GREEDY])  # fills the cache
         rids = run_disaggregated(P, D, prompts, [GREEDY] * len(prompts))
         outs[bug] = [D.output(r) for r in rids]

@@ -117,12 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     sv = add("serve", "the serving benchmark: wall time, tokens/s and latencies of a workload, cold and warm")
     sv.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
-    sv.add_argument("--dataset", choices=["random", "sharegpt-like", "task", "prefix"], default="random",
+    sv.add_argument("--dataset", choices=["random", "sharegpt-like", "task", "prefix", "multiturn"], default="random",
                     help="random: uniform lengths in --input-len / --output-len; sharegpt-like: lognormal lengths "
                          "with ShareGPT's means; task: the shipped task's test prompts (outputs of --output-len's max); "
-                         "prefix: a shared system prompt of --prefix-len tokens, then random prompts of --input-len "
-                         "(served warm with prefix caching on and off)")
+                         "prefix: a shared system prompt of --prefix-len tokens, then random prompts of --input-len; "
+                         "multiturn: --num-prompts conversations of --num-turns turns, each turn the conversation so "
+                         "far and a new message of --input-len (prefix and multiturn are served warm with prefix "
+                         "caching on and off)")
     sv.add_argument("--prefix-len", type=int, default=1024, help="--dataset prefix: the shared prompt's tokens")
+    sv.add_argument("--num-turns", type=int, default=6, help="--dataset multiturn: turns per conversation")
+    sv.add_argument("--compare-prefix-caching", action="store_true",
+                    help="also serve the warm run with prefix caching off (always for prefix and multiturn)")
     sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.enable_prefix_caching (default on)")
     sv.add_argument("--num-prompts", type=int, default=1000)

@@ -2,7 +2,8 @@
 
 A seeded workload (`random`: uniform prompt and output lengths; `sharegpt-like`: lognormal lengths with
 ShareGPT's means, synthesised; `task`: the shipped task's test prompts; `prefix`: one shared system prompt of
---prefix-len tokens in front of random prompts) is served by `LLM` in a fresh process
+--prefix-len tokens in front of random prompts; `multiturn`: conversations, bench/multiturn.py) is served by
+`LLM` in a fresh process
 with an empty compilation cache: start-up (weights, memory plan, every step program compiled), the workload
 (cold: the first run, all requests at once or Poisson arrivals at --request-rate), and the same workload
 again in that process (warm). A second fresh process on the filled cache measures start-up with the
@@ -34,6 +35,10 @@ def make_requests(args, vocab: int, tokenizer=None) -> list[tuple[list[int], int
     """[(prompt ids, max_tokens)] of the workload, from args.seed."""
     rng = np.random.default_rng(args.seed)
     n = args.num_prompts
+    if args.dataset == "multiturn":  # the turns' lengths (the bound, a peer); bench/multiturn.py serves them
+        from .multiturn import conversation_requests, make_conversations
+
+        return conversation_requests(make_conversations(args, vocab), args.max_model_len)
     if args.dataset in ("random", "prefix"):
         lengths = rng.integers(args.input_len[0], args.input_len[1] + 1, n)
         outputs = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
@@ -203,12 +208,19 @@ def child_run(args) -> dict:
     if args.child == "startup":
         return out
     requests = make_requests(args, llm.model_config.vocab_size, llm.tokenizer)
-    out["cold"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
+    if args.dataset == "multiturn":
+        from .multiturn import make_conversations, serve_conversations
+
+        conversations = make_conversations(args, llm.model_config.vocab_size)
+        run = lambda: serve_conversations(llm, conversations, args.max_model_len)  # noqa: E731
+    else:
+        run = lambda: serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)  # noqa: E731
+    out["cold"] = run()
     out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
-    out["warm"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
-    if args.dataset == "prefix":  # the same engine and programs, the cache left unused
-        with prefix_caching_off(llm):
-            out["warm_no_prefix_caching"] = serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)
+    out["warm"] = run()
+    if args.dataset in ("prefix", "multiturn") or args.compare_prefix_caching:
+        with prefix_caching_off(llm):  # the same engine and programs, the cache left unused
+            out["warm_no_prefix_caching"] = run()
     out["compiles_after_startup"] = llm.compiles_after_startup
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
@@ -235,6 +247,7 @@ def _child(args, which: str, cache_dir: str) -> dict:
 def _forwarded(args) -> list[str]:
     """The workload and engine flags, for the child processes."""
     flags = ["--model", args.model, "--dataset", args.dataset, "--prefix-len", str(args.prefix_len),
+             "--num-turns", str(args.num_turns), *(["--compare-prefix-caching"] if args.compare_prefix_caching else []),
              "--num-prompts", str(args.num_prompts),
              "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
              "--request-rate", str(args.request_rate), "--seed", str(args.seed),
@@ -303,6 +316,7 @@ def bench_serve(args) -> dict:
     warm_start = None if args.cache_dir else _child(args, "startup", cache_dir)
     payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
                **({"prefix_len": args.prefix_len} if args.dataset == "prefix" else {}),
+               **({"num_turns": args.num_turns} if args.dataset == "multiturn" else {}),
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
                "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",

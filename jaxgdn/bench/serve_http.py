@@ -95,6 +95,8 @@ def _metric(text: str, name: str) -> float | None:
 
 
 def bench_serve_http(args) -> dict:
+    if args.dataset == "multiturn":
+        raise SystemExit("bench serve --http: --dataset multiturn is served in-process only")
     requests = make_requests(args, _vocab(args), _tokenizer(args))
     runs = {}
     for name in ("first", "second")[: 1 + args.http_repeat]:

@@ -112,7 +112,8 @@ def pd_table(d: dict) -> list[str]:
 def serve_table(d: dict) -> list[str]:
     c, e = d["cold_process"], d["engine"]
     shared = f" behind a shared prompt of {d['prefix_len']} tokens" if "prefix_len" in d else ""
-    head = (f"{d['num_prompts']} `{d['dataset']}` requests{shared} ({_arrivals(d)}) on `{d['model']}`, max_num_seqs "
+    what = f"conversations of {d['num_turns']} turns" if "num_turns" in d else "requests"
+    head = (f"{d['num_prompts']} `{d['dataset']}` {what}{shared} ({_arrivals(d)}) on `{d['model']}`, max_num_seqs "
             f"{e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, {e['dtype']}, "
             f"K = {e['num_speculative_tokens']}.")
     runs = [("cold (first run of a new process)", c["cold"]), ("warm", c["warm"])]
@@ -122,7 +123,7 @@ def serve_table(d: dict) -> list[str]:
                     "TPOT p50 / p99 ms", "ITL p50 / p99 ms"], runs, lambda r: [
         r[0], f"{r[1]['wall_s']:.2f}", f"{r[1]['total_tokens_per_s']:.0f}", f"{r[1]['output_tokens_per_s']:.0f}",
         _fmt(r[1].get("prefix_cache_hit_rate"), ".0%"),
-        *(f"{r[1][k]['p50']:.1f} / {r[1][k]['p99']:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms"))])
+        *(f"{_fmt(r[1][k]['p50'], '.1f')} / {_fmt(r[1][k]['p99'], '.1f')}" for k in ("ttft_ms", "tpot_ms", "itl_ms"))])
     peer = d.get("transformers")
     if peer and "wall_s" in peer:
         lines.append(f"| transformers ({peer['form']}) | {peer['wall_s']:.2f} | {peer['total_tokens_per_s']:.0f} | "

@@ -80,8 +80,9 @@ class EngineConfig:
       pages are shared by content, the GDN state is resumed from snapshots. A PD prefill worker caches; its
       decode worker imports every request's state and does not. Same outputs as without it.
     prefix_cache_state_interval: GDN state snapshots are taken where a prompt's chunk ends at a multiple of
-      this many tokens (the scheduler cuts chunks there); a multiple of kv_page_size. Smaller resumes closer
-      to where prompts part, at the cost of more chunks and snapshots.
+      this many tokens inside a prefix another request computed already, and at every 4th multiple elsewhere
+      (the scheduler cuts chunks there), besides where requests end; a multiple of kv_page_size. Smaller
+      resumes closer to where prompts part, at the cost of more chunks and snapshots.
     num_state_snapshots: snapshots the pool holds (None: planned by `memory.plan_memory`).
     tensor_parallel_size: devices each engine (each PD worker) splits the model's heads, MLP and vocabulary
       over (`tensor_parallel.py`); they must divide the model's head counts. A PD worker's devices are the

@@ -98,8 +98,9 @@ def _advance_rows(a: StepArrays, shift, live, page_size: int, fresh: bool = Fals
     samples as many), plus any rebase (packed_step). Positions, sequence lengths and the KV slots the
     tokens write (from the rows' block tables) move by shift. A row that is not live (its emitted tokens
     reached its token_budget: its request is over, max_tokens or max_model_len) writes the null page and
-    samples nothing; padding keeps its values; fresh: keep the host's fresh flags (step 0), else no row is
-    fresh."""
+    samples nothing, and its GDN layers run on the null slot, so its request's state stays that after its last
+    real token (a prefix-cache snapshot of it is exact); padding keeps its values; fresh: keep the host's fresh
+    flags (step 0), else no row is fresh."""
     token_row = a.token_row
     valid = token_row >= 0
     row = jnp.clip(token_row, 0, a.idx_mapping.shape[0] - 1)
@@ -109,6 +110,7 @@ def _advance_rows(a: StepArrays, shift, live, page_size: int, fresh: bool = Fals
     kv_slots = jnp.where(valid, page * page_size + positions % page_size, a.kv_slots)
     seq_lens = jnp.where(a.idx_mapping > 0, a.seq_lens + shift, a.seq_lens)
     return a.replace(positions=positions, kv_slots=kv_slots, seq_lens=seq_lens,
+                     idx_mapping=jnp.where(live, a.idx_mapping, 0),
                      fresh=a.fresh if fresh else jnp.zeros_like(a.fresh), samples=a.samples & live)
 
 

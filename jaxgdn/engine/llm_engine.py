@@ -87,7 +87,8 @@ class LLMEngine:
             )
         num_snapshots = self.memory.num_snapshots
         self.prefix = PrefixCache(num_pages, ecfg.kv_page_size, num_snapshots,
-                                  ecfg.prefix_cache_state_interval if cfg.gdn_layer_ids else 0, enabled=caching)
+                                  ecfg.prefix_cache_state_interval if cfg.gdn_layer_ids else 0, enabled=caching,
+                                  lookahead=int(with_mtp))
         self.scheduler = Scheduler(ecfg, num_pages, self.prefix)
         self.runner.state = self.placement.make_state(lambda: new_state(num_pages, garbage_seed),
                                                       host_drawn=garbage_seed is not None)
@@ -351,7 +352,7 @@ class LLMEngine:
             # unused placeholders of this request's earlier launches, removed after this one was booked
             removed = req.spec_excess - flight.excess[b]
             start, i, emitted = flight.starts[b] - removed, flight.out_index[b] - removed, 0
-            for res in results[: row.launch_steps]:  # step by step, up to the one its request ends in
+            for j, res in enumerate(results[: row.launch_steps]):  # step by step, up to the one its request ends in
                 self._record_inputs(req, start, res.input_ids[tokens_in])
                 start += int(res.num_sampled[b]) if row.samples else row.num_tokens
                 if not row.samples:
@@ -359,10 +360,12 @@ class LLMEngine:
                 n = int(res.num_sampled[b])
                 if row.kind == RowKind.SPEC_VERIFY:
                     self.spec_counters.count(req.metrics, len(row.spec_tokens), n - 1)
-                for token in res.tokens[b, :n]:
+                for k, token in enumerate(res.tokens[b, :n]):
                     req.output_token_ids[i + emitted] = int(token)
                     emitted += 1
-                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted)
+                    # the device fed this row nothing after this token: its state is known to the host
+                    last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget)
+                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted, state_known=last)
                     if req.status is RequestStatus.FINISHED:
                         break
                 if req.status is RequestStatus.FINISHED:
@@ -389,17 +392,25 @@ class LLMEngine:
         """Drafted/accepted counts, acceptance rate per draft position, mean acceptance length."""
         return self.spec_counters.metrics()
 
-    def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None) -> None:
+    def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None,
+                        state_known: bool = False) -> None:
         """Bookkeeping for a request's output token number num_outputs (default: its last one): first
-        token time, and finishing on a stop token, max_tokens or max_model_len."""
+        token time, and finishing on a stop token, max_tokens or max_model_len. state_known: its launch fed the
+        request nothing after this token (the prefix cache may keep its state)."""
         num_outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         sp = req.sampling_params
         if (not sp.ignore_eos and token in self.cfg.eos_token_ids) or token in sp.stop_token_ids:
-            self.scheduler.finish(req, "stop")
+            reason = "stop"
         elif self._length_reached(req, num_outputs):
-            self.scheduler.finish(req, "length")
+            reason = "length"
+        else:
+            return
+        if state_known:
+            later = [r for r in self._in_flight.out.rows if r.request is req] if self._in_flight else []
+            self.prefix_caching.request_finished(req, num_outputs, later, self.runner.state)
+        self.scheduler.finish(req, reason)
 
     def _length_reached(self, req: Request, num_outputs: int) -> bool:
         """Whether output number num_outputs is the request's last: max_tokens or max_model_len."""
@@ -415,16 +426,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------ outputs
     def output(self, rid: int) -> RequestOutput:
-        req = self.requests[rid]
-        tokens = [t for t in req.output_token_ids if t != PLACEHOLDER_TOKEN]  # async: values still in flight
-        text = self.decode(tokens) if (self.decode and req.error is None) else None
-        return RequestOutput(
-            request_id=rid, prompt_token_ids=req.prompt_token_ids, token_ids=tokens,
-            text=text, finish_reason=req.finish_reason, error=req.error, ttft=req.metrics.ttft,
-            tpot=req.metrics.tpot(len(tokens)), num_preemptions=req.metrics.num_preemptions,
-            num_drafted=req.metrics.num_drafted, num_accepted_drafts=req.metrics.num_accepted_drafts,
-            num_cached_tokens=req.num_cached_tokens or 0,
-        )
+        return self.requests[rid].output(self.decode)
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:
         return [self.output(r) for r in rids]

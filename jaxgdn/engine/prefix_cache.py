@@ -1,15 +1,18 @@
 """Prefix caching, host side: KV pages by content and GDN state snapshots by prefix (docs/prefix-caching.md).
 
 A full page p of a sequence is named by a chained key: the hash of page p-1's key and the tokens at positions
-p*ps .. (p+1)*ps, one past the page. The extra token is there for the MTP layer, whose KV entry at position t
-joins the trunk's hidden state at t with the token at t+1: a page is reused only where its last entry was
-computed with the same next token. Pages are shared by reference count; a page nobody holds stays cached
+p*ps .. (p+1)*ps, one past the page (the lookahead, with an MTP layer). The extra token is there for the MTP
+layer, whose KV entry at position t joins the trunk's hidden state at t with the token at t+1: a page is reused
+only where its last entry was computed with the same next token. Pages are shared by reference count; a page nobody holds stays cached
 until its memory is needed and is evicted least recently used first.
 
 A GDN layer's state summarises a whole prefix, so a prefix of L tokens can be resumed only where the state
 after exactly L tokens was kept: a snapshot (every GDN layer's conv window and recurrent state) named by the
-key of page L/ps - 1. A hit resumes at the longest L with both the pages for [0, L) and a snapshot at L, and
-always leaves at least one token to compute (the last prompt token's logits, a PD prefill worker's export).
+key of page L/ps - 1, or, for an L inside a page (where a request finished, or a PD prefill worker exported), by
+a tail key: the hash of the last full page's key and the tokens from that page's end to L (plus the lookahead),
+which also names the partial page, copied for the request that resumes there. A hit resumes at the longest L
+with both the pages for [0, L) and a snapshot at L, and always leaves at least one token to compute (the last
+prompt token's logits, a PD prefill worker's export).
 """
 
 from __future__ import annotations
@@ -21,20 +24,29 @@ import hashlib
 import numpy as np
 
 ROOT_KEY = b"jaxgdn-prefix"
+COARSE = 4  # every COARSE-th state-interval boundary takes a snapshot even in a prefix nobody shares yet
 
 
-def page_keys(tokens, page_size: int, parent: bytes = ROOT_KEY, first: int = 0) -> list[bytes]:
-    """Keys of pages first, first+1, ... of a sequence whose known tokens are `tokens` (page p needs the
-    tokens up to position (p+1)*page_size, one past its end); parent: the key of page first-1."""
+def page_keys(tokens, page_size: int, lookahead: int = 1) -> list[bytes]:
+    """Keys of pages 0, 1, ... of a sequence whose known tokens are `tokens` (page p needs the tokens up to
+    position (p+1)*page_size + lookahead - 1)."""
     ids = np.asarray(tokens, np.int64)
-    keys = []
-    p = first
-    while (p + 1) * page_size < len(ids):
-        parent = hashlib.blake2b(parent + ids[p * page_size : (p + 1) * page_size + 1].tobytes(),
+    keys, parent, p = [], ROOT_KEY, 0
+    while (p + 1) * page_size + lookahead <= len(ids):
+        parent = hashlib.blake2b(parent + ids[p * page_size : (p + 1) * page_size + lookahead].tobytes(),
                                  digest_size=16).digest()
         keys.append(parent)
         p += 1
     return keys
+
+
+def tail_key(keys: list[bytes], tokens, length: int, page_size: int, lookahead: int = 1) -> bytes:
+    """The name of the prefix of `length` tokens (not a multiple of page_size) of a sequence whose page keys are
+    `keys`: its last full page's key and the tokens after it, plus the lookahead."""
+    full = length // page_size
+    parent = keys[full - 1] if full else ROOT_KEY
+    ids = np.asarray(tokens[full * page_size : length + lookahead], np.int64)
+    return hashlib.blake2b(b"tail" + parent + ids.tobytes(), digest_size=16).digest()
 
 
 class PageCache:
@@ -161,6 +173,7 @@ class PrefixHit:
     pages: list[int]
     num_tokens: int
     snapshot: int
+    tail_page: int | None = None  # num_tokens inside a page: the cached page to copy for the one it ends in
 
 
 @dataclasses.dataclass
@@ -169,6 +182,7 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
+    computed: int = 0  # prompt tokens computed (prefill rows' tokens)
     snapshots_saved: int = 0
 
     @property
@@ -180,14 +194,19 @@ class PrefixCache:
     """The host's view of the cache for one engine: pages (`pages`, the scheduler's allocator), snapshots, the
     keys of each request's known tokens, and what each dispatched row publishes.
 
-    state_interval: snapshots are taken where a prefill chunk ends at a multiple of it (the scheduler cuts
-    chunks there when the snapshot is not cached yet); 0 with no GDN layers (any page boundary resumes)."""
+    state_interval: snapshots are taken where a prefill chunk ends at a multiple of it inside a prefix another
+    request computed already, and at every COARSE-th multiple (the scheduler cuts chunks there when the snapshot
+    is not cached yet); 0 with no GDN layers (any page boundary resumes).
+    lookahead: tokens past a page its key reads (1 with an MTP layer, else 0)."""
 
-    def __init__(self, num_pages: int, page_size: int, num_snapshots: int, state_interval: int, enabled: bool):
+    def __init__(self, num_pages: int, page_size: int, num_snapshots: int, state_interval: int, enabled: bool,
+                 lookahead: int = 1):
         self.pages = PageCache(num_pages)
         self.snapshots = SnapshotIndex(num_snapshots if enabled else 0)
         self.page_size = page_size
         self.state_interval = state_interval
+        self.coarse = COARSE
+        self.lookahead = lookahead
         self.enabled = enabled
         self.stats = PrefixCacheStats()
 
@@ -203,7 +222,7 @@ class PrefixCache:
     def keys(self, req) -> list[bytes]:
         """The request's page keys (made once per computation: a preempted request prefills more tokens)."""
         if req.page_keys is None or req.page_keys[0] != req.prefill_len:
-            req.page_keys = (req.prefill_len, page_keys(self.known_tokens(req), self.page_size))
+            req.page_keys = (req.prefill_len, page_keys(self.known_tokens(req), self.page_size, self.lookahead))
         return req.page_keys[1]
 
     def match(self, req) -> PrefixHit | None:
@@ -212,6 +231,9 @@ class PrefixCache:
             return None
         keys = self.keys(req)
         pages = self.pages.lookup(keys)
+        tail = self._tail_hit(req, keys, pages)
+        if tail is not None:
+            return tail
         n = min(len(pages), (req.prefill_len - 1) // self.page_size)  # at least one token left to compute
         while n > 0:
             if not self.state_interval:
@@ -220,6 +242,19 @@ class PrefixCache:
             if sid is not None:
                 return PrefixHit(pages[:n], n * self.page_size, sid)
             n -= 1
+        return None
+
+    def _tail_hit(self, req, keys: list[bytes], pages: list[int]) -> PrefixHit | None:
+        """The longest cached tail inside the page after the full pages found, or None."""
+        ps, full = self.page_size, len(pages)
+        known = self.known_tokens(req)
+        last = min((full + 1) * ps - 1, req.prefill_len - 1, len(known) - self.lookahead)
+        for length in range(last, full * ps, -1):
+            key = tail_key(keys, known, length, ps, self.lookahead)
+            page = self.pages.page_of.get(key)
+            sid = self.snapshots.get(key) if self.state_interval else 0
+            if page is not None and sid is not None:
+                return PrefixHit(pages[:full], length, sid, tail_page=page)
         return None
 
     def hold(self, req) -> PrefixHit | None:
@@ -245,20 +280,26 @@ class PrefixCache:
             req.num_cached_tokens = hit.num_tokens if hit else 0
         if hit is not None:
             req.restore_snapshot = hit.snapshot
+            req.copy_page_from = hit.tail_page
             self.stats.hits += hit.num_tokens
+
+    def _due(self, key: bytes, boundary: int, shared: bool) -> bool:
+        """Whether a snapshot at this state-interval boundary is wanted: not cached yet, and either inside a
+        prefix another request computed already (prompts share it) or at every COARSE-th boundary (so a second
+        request can resume where a first one went, at the cost of cutting a first prompt's chunks there)."""
+        return key not in self.snapshots and (shared or boundary % (self.coarse * self.state_interval) == 0)
 
     def chunk_end(self, req, end: int) -> int:
         """Where a prefill chunk from req.num_computed to `end` stops: at the first state-interval boundary past
-        num_computed whose snapshot is not cached, if it comes before `end`."""
+        num_computed where a snapshot is due (`_due`), if it comes before `end`."""
         if not (self.enabled and self.state_interval):
             return end
         step = self.state_interval
         boundary = (req.num_computed // step + 1) * step
         keys = self.keys(req)
-        while boundary < end:
-            if boundary // self.page_size > len(keys):
-                return end
-            if keys[boundary // self.page_size - 1] not in self.snapshots:
+        while boundary < end and boundary // self.page_size <= len(keys):
+            key = keys[boundary // self.page_size - 1]
+            if self._due(key, boundary, key in self.pages.page_of):  # its page is another request's
                 return boundary
             boundary += step
         return end
@@ -270,13 +311,33 @@ class PrefixCache:
             return None
         keys = self.keys(req)
         ps = self.page_size
+        due = None
+        if self.state_interval and end % self.state_interval == 0 and 0 < end // ps <= len(keys):
+            key, own = keys[end // ps - 1], req.pages[end // ps - 1]
+            if self._due(key, end, self.pages.page_of.get(key, own) != own):  # shared: another request's page
+                due = key
         for p in range(start // ps, min(end // ps, len(keys))):
             self.pages.publish(req.pages[p], keys[p])
-        if self.state_interval and end % self.state_interval == 0 and 0 < end // ps <= len(keys):
-            key = keys[end // ps - 1]
-            if key not in self.snapshots:
-                return key
-        return None
+        return due
+
+    def finished(self, req, length: int, tokens: list[int]) -> bytes | None:
+        """A request's slot holds the state after exactly `length` tokens of `tokens` (a finished request, a PD
+        prefill worker's export), its pages their KV: name its full pages and, for a length inside a page, that
+        page by its tail key. Returns the key of the snapshot to save (None: cached already, or no room in the
+        tokens for the lookahead)."""
+        if (not (self.enabled and self.state_interval) or length < 1 or length + self.lookahead > len(tokens)
+                or len(req.pages) * self.page_size < length):
+            return None
+        ps = self.page_size
+        keys = page_keys(tokens[: length + self.lookahead], ps, self.lookahead)
+        for p in range(length // ps):
+            self.pages.publish(req.pages[p], keys[p])
+        if length % ps:
+            key = tail_key(keys, tokens, length, ps, self.lookahead)
+            self.pages.publish(req.pages[length // ps], key)
+        else:
+            key = keys[length // ps - 1]
+        return None if key in self.snapshots else key
 
     def reset(self) -> None:
         self.pages.reset()

@@ -146,6 +146,7 @@ class Request:
     # snapshot to restore into the slot before the first step (0: none), tokens found cached at admission.
     page_keys: tuple | None = dataclasses.field(default=None, repr=False)
     restore_snapshot: int = 0
+    copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
     num_cached_tokens: int | None = None
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
@@ -187,6 +188,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def output(self, decode=None) -> "RequestOutput":
+        """What the request produced so far (async scheduling's placeholders left out); decode(ids) -> text."""
+        tokens = [t for t in self.output_token_ids if t != PLACEHOLDER_TOKEN]
+        m = self.metrics
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=tokens,
+            text=decode(tokens) if (decode and self.error is None) else None, finish_reason=self.finish_reason,
+            error=self.error, ttft=m.ttft, tpot=m.tpot(len(tokens)), num_preemptions=m.num_preemptions,
+            num_drafted=m.num_drafted, num_accepted_drafts=m.num_accepted_drafts,
+            num_cached_tokens=self.num_cached_tokens or 0)
 
     @property
     def num_outputs_lower_bound(self) -> int:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.config import ModelConfig
-from .state import EngineState, GDNSlots
+from .state import EngineState, GDNSlots, PagedKV
 
 COPIES = 8  # copies per program call; more are several calls
 
@@ -53,6 +53,14 @@ def restore(cfg: ModelConfig, state: EngineState, snapshots: tuple, snapshot_ids
                                num_computed=state.num_computed.at[slots].set(lengths))
 
 
+def copy_pages(state: EngineState, src, dst) -> EngineState:
+    """Copy KV pages src [COPIES] onto pages dst [COPIES] in every attention pool (the trunk's and the MTP layer's):
+    a request resuming inside a cached partial page gets a page of its own to write on."""
+    copy = lambda kv: kv.replace(k=kv.k.at[dst].set(kv.k[src]), v=kv.v.at[dst].set(kv.v[src]))  # noqa: E731
+    layers = tuple(copy(x) if isinstance(x, PagedKV) else x for x in state.layers)
+    return dataclasses.replace(state, layers=layers, mtp_layers=tuple(copy(x) for x in state.mtp_layers))
+
+
 class SnapshotCopier:
     """The snapshot pools of one engine and its save and restore programs, compiled once (`compile`, at start-up)."""
 
@@ -64,6 +72,7 @@ class SnapshotCopier:
         self.sharding = sharding
         self._save = jax.jit(lambda p, s, a, b: save(cfg, p, s, a, b), donate_argnums=0)
         self._restore = jax.jit(lambda s, p, a, b, c: restore(cfg, s, p, a, b, c), donate_argnums=0)
+        self._copy_pages = jax.jit(copy_pages, donate_argnums=0)
         self._compiled: dict[str, object] = {}
 
     def compile(self, state: EngineState) -> int:
@@ -71,7 +80,8 @@ class SnapshotCopier:
         ints = jax.ShapeDtypeStruct((COPIES,), jnp.int32, sharding=self.sharding)
         self._compiled["save"] = self._save.lower(self.snapshots, state, ints, ints).compile()
         self._compiled["restore"] = self._restore.lower(state, self.snapshots, ints, ints, ints).compile()
-        return 2
+        self._compiled["copy_pages"] = self._copy_pages.lower(state, ints, ints).compile()
+        return 3
 
     def _program(self, name: str, state: EngineState):
         if name not in self._compiled:
@@ -87,6 +97,12 @@ class SnapshotCopier:
         """copies: (snapshot id, slot, prefix length) triples. Returns the state."""
         for chunk in _chunks(copies):
             state = self._program("restore", state)(state, self.snapshots, *self._put(_columns(chunk, 3)))
+        return state
+
+    def copy_pages(self, state: EngineState, copies: list[tuple[int, int]]) -> EngineState:
+        """copies: (source page, destination page) pairs. Returns the state."""
+        for chunk in _chunks(copies):
+            state = self._program("copy_pages", state)(state, *self._put(_columns(chunk, 2)))
         return state
 
     def close(self) -> None:
@@ -119,11 +135,39 @@ class PrefixCaching:
         self.copier = copier
 
     def before(self, rows, state: EngineState) -> EngineState:
+        ps = self.prefix.page_size
+        pages = [(r.request.copy_page_from, r.request.pages[r.request.num_computed // ps]) for r in rows
+                 if r.request.copy_page_from is not None]
         restores = [(r.request.restore_snapshot, r.request.slot, r.request.num_computed) for r in rows
                     if r.request.restore_snapshot]
         for r in rows:
-            r.request.restore_snapshot = 0
+            r.request.restore_snapshot, r.request.copy_page_from = 0, None
+        if pages:
+            state = self.copier.copy_pages(state, pages)
         return self.copier.restore(state, restores) if restores else state
+
+    def request_finished(self, req, num_outputs: int, later_rows: list, state: EngineState) -> None:
+        """A request finishes at its output number num_outputs, its launch having fed it nothing after that
+        token; later_rows: its rows in launches dispatched since. Its state is known exactly after its tokens but
+        the last when there are none; after all of them when that row is one plain decode step (MTP drafts make
+        a verify row's end known only on the device)."""
+        from .request import RowKind
+
+        length = len(req.prompt_token_ids) + num_outputs - 1
+        if later_rows:
+            row = later_rows[0]
+            if row.kind != RowKind.DECODE or row.launch_steps != 1 or row.spec_tokens or self.prefix.lookahead:
+                return
+            length += 1  # that row feeds the last token
+        self.finished(req, length, req.prompt_token_ids + req.output_token_ids[:num_outputs], state)
+
+    def finished(self, req, length: int, tokens: list[int], state: EngineState) -> None:
+        """req's slot and pages hold the state and KV of exactly `length` tokens of `tokens` once the launches
+        dispatched so far have run: cache them (before its pages and slot are freed)."""
+        key = self.prefix.finished(req, length, tokens)
+        if key is not None and self.copier is not None:
+            self.copier.save(state, [(req.slot, self.prefix.snapshots.add(key))])
+            self.prefix.stats.snapshots_saved += 1
 
     def after(self, rows, starts: list[int], state: EngineState) -> None:
         """rows: the launch's (prefill rows of one step); starts: each row's first position; state: the state
@@ -134,7 +178,9 @@ class PrefixCaching:
         for row, start in zip(rows, starts):
             if row.kind not in (RowKind.PREFILL_CHUNK, RowKind.PROMPT_TAIL) or row.launch_steps != 1:
                 continue
-            key = self.prefix.publish(row.request, start, start + row.num_tokens - len(row.spec_tokens))
+            end = start + row.num_tokens - len(row.spec_tokens)
+            self.prefix.stats.computed += end - start
+            key = self.prefix.publish(row.request, start, end)
             if key is not None and not row.spec_tokens and self.copier is not None:
                 saves.append((row.request.slot, self.prefix.snapshots.add(key)))
         self.prefix.stats.snapshots_saved += len(saves)

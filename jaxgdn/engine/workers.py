@@ -40,9 +40,10 @@ class PrefillWorker(_Worker):
 
     def _applied(self, req: Request) -> None:
         if req.prefill_only and req.num_computed == req.prefill_len:
-            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req,
-                                                    req.prompt_token_ids + [req.next_prompt_token], self.fingerprint,
+            prompt = req.prompt_token_ids + [req.next_prompt_token]
+            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req, prompt, self.fingerprint,
                                                     self.conv_order))
+            self.prefix_caching.finished(req, req.prefill_len, prompt, self.runner.state)  # the prompt boundary
             self.scheduler.finish(req, "handoff")
 
     def pop_handoffs(self) -> list[Handoff]:
