@@ -103,6 +103,17 @@ def drained(front, timeout: float = 10.0) -> dict:
 
 
 
+def aborts_after(front, count: int, timeout: float = 20.0) -> int:
+    """The engine's count of aborted requests once it reaches `count` (aborts are counted when the engine thread
+    next steps, after the server noticed the client gone), or the last one seen after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = drained(front).get("finished_abort", 0)
+        if seen >= count or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.05)
+
+
 async def hang_up_after(stream, chunks: int) -> None:
     """Read `chunks` chunks of an openai client's stream, then hang up."""
     n = 0

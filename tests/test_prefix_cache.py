@@ -218,6 +218,30 @@ def test_a_conversation_resumes_after_its_previous_turn(mode, exact_tail):
         prompt = prompt + out.token_ids + suffix(3 + turn, 300 + turn)
 
 
+@pytest.mark.parametrize("mode", [dict(async_scheduling=True, decode_steps_per_launch=4),
+                                  dict(num_speculative_tokens=2, async_scheduling=True, decode_steps_per_launch=2)])
+def test_a_request_that_stops_on_a_token_keeps_its_exact_end_state(mode):
+    """A request that samples its stop token mid-way through a launch of several steps, with the next launch
+    already booked: the device runs its later rows on the null slot, so the next turn resumes right after that
+    turn's tokens (where the stop token ends a verify window), and every output equals whole computation."""
+    eng = engine(**mode)
+    prompt = BASE[:30]
+    free_run = naive_greedy(PARAMS, CFG, prompt, 12)
+    stop = free_run[5]
+    sp = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,))
+    rid = eng.add_request(prompt, sp)
+    eng.run_until_done()
+    out = eng.output(rid)
+    assert out.finish_reason == "stop" and out.token_ids == free_run[: free_run.index(stop) + 1]
+    follow = prompt + out.token_ids + suffix(4, 400)
+    rid = eng.add_request(follow, SamplingParams(temperature=0, max_tokens=6))
+    eng.run_until_done()
+    cached = eng.output(rid).num_cached_tokens
+    exact = len(prompt) + len(out.token_ids) - 1
+    assert cached == exact if not mode.get("num_speculative_tokens") else cached in (exact, 24)
+    assert eng.output(rid).token_ids == naive_greedy(PARAMS, CFG, follow, 6)
+
+
 def test_a_hit_computes_fewer_prompt_tokens():
     """Every token a hit skips is a prompt token not computed: counted, the same workload with caching off."""
     sp = SamplingParams(temperature=0, max_tokens=2)

@@ -47,6 +47,10 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     previous launch as if every draft were accepted, so they start where state.num_computed says."""
     resident = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(resident, host_input, (0,)))
     a = unpack_step_arrays(resident, layout)
+    # A request's first row clears its slot's stop flag; the rows of a request that stopped (sampled a stop token
+    # in an earlier step) run on the null slot and sample nothing: its slot keeps the state after its last token.
+    S = state.stopped.shape[0]
+    state = state.replace(stopped=state.stopped.at[jnp.where(a.first_row, a.idx_mapping, S)].set(False, mode="drop"))
 
     def one_step(state, arrays):
         state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic,
@@ -59,20 +63,14 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     start = a.seq_lens - _row_lengths(a)
     shift = jnp.where(a.rebase, state.num_computed[a.idx_mapping] - start, 0) if rebases else 0
     page_size = _kv_page_size(state)
-    if num_steps == 1 and not rebases:
-        state, flat, _ = one_step(state, a)
-        return state, flat, resident
     # Unrolled (a Python loop): one CUDA graph holds all the steps. As a lax loop, XLA runs the body's
     # kernels one by one from the host on each iteration, which on the H200 cost more than the launches it
     # saves.
     flats = []
     emitted = jnp.zeros(a.idx_mapping.shape, jnp.int32)  # [R] tokens each row sampled so far
     for j in range(num_steps):
-        if j == 0 and not rebases:
-            arrays = a
-        else:
-            live = (j == 0) | (emitted < a.token_budget)
-            arrays = _advance_rows(a, shift + emitted, live, page_size, fresh=j == 0)
+        live = ~state.stopped[a.idx_mapping] & ((j == 0) | (emitted < a.token_budget))
+        arrays = _advance_rows(a, shift + emitted, live, page_size, fresh=j == 0)
         state, flat, num_sampled = one_step(state, arrays)
         emitted = emitted + num_sampled
         flats.append(flat)
@@ -97,7 +95,7 @@ def _advance_rows(a: StepArrays, shift, live, page_size: int, fresh: bool = Fals
     one input token and samples one; a verify row commits its input token and its accepted drafts, and
     samples as many), plus any rebase (packed_step). Positions, sequence lengths and the KV slots the
     tokens write (from the rows' block tables) move by shift. A row that is not live (its emitted tokens
-    reached its token_budget: its request is over, max_tokens or max_model_len) writes the null page and
+    reached its token_budget, or its request sampled a stop token: its request is over) writes the null page and
     samples nothing, and its GDN layers run on the null slot, so its request's state stays that after its last
     real token (a prefix-cache snapshot of it is exact); padding keeps its values; fresh: keep the host's fresh
     flags (step 0), else no row is fresh."""
@@ -162,6 +160,9 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     num_sampled = jnp.where(samples, num_sampled, 0)
     last_token = jnp.take_along_axis(tokens, jnp.maximum(num_sampled - 1, 0)[:, None], 1)[:, 0]
     last_sampled = state.last_sampled.at[jnp.where(samples, idx, S)].set(last_token, mode="drop")
+    sampled = jnp.arange(W)[None, :] < num_sampled[:, None]  # [R, W] the tokens the row emitted
+    hit = jnp.any(sampled & jnp.any(tokens[..., None] == a.stop_ids[:, None, :], -1), -1)  # [R]
+    stopped = state.stopped.at[jnp.where(samples & hit, idx, S)].set(True, mode="drop")
     # Rollback is selection: the next step reads checkpoint num_accepted - 1.
     committed = jnp.where(a.verify_path, jnp.maximum(num_sampled, 1), 1)
     num_accepted = state.num_accepted.at[jnp.where(real, idx, S)].set(committed, mode="drop")
@@ -176,7 +177,8 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
                                                  samples, last_token, mtp_layers, K, policy)
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
-                        draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed)
+                        draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed,
+                        stopped=stopped)
     return state, tokens, num_sampled, new_drafts, ids
 
 

@@ -3,9 +3,9 @@
 A ragged step (width 0) is a flat stream: tokens [T] with the row of each (token_row, -1 for padding) and
 each row's tokens at query_start_loc[r] .. query_start_loc[r+1]-1. Attention writes this step's K/V at each
 token's pool slot and attends over the row's pages (`pallas_kernels/ragged_attention.py`); a GDN layer
-convolves and runs the recurrence of each row from its slot's state (`pallas_kernels/gdn_ragged_chunked.py`, or `gdn_reference.py`'s XLA form) and
-commits the new state. No [rows, width] padding exists: a step's activations are O(T) whatever the rows'
-widths and contexts.
+convolves and runs the recurrence of each row from its slot's state (`pallas_kernels/gdn_ragged_chunked.py`, or
+`gdn_reference.py`'s XLA form) and commits the new state. No [rows, width] padding exists: a step's activations
+are O(T) whatever the rows' widths and contexts.
 
 A uniform step (width > 0: R rows of `width` tokens, plain decode rows or MTP verify windows) is the same
 stream viewed as [R, width] (`RowView`). Launches of several decode or verify steps run in this form

@@ -27,7 +27,7 @@ from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput,
 from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
-from .step_layout import BlockTables, StepArrays, build_step, empty_step, pack_step_arrays
+from .step_layout import BlockTables, StepArrays, build_step, device_stop_ids, empty_step, pack_step_arrays
 from .placement import Placement
 from .prefix_cache import PrefixCache
 from .snapshots import PrefixCaching, SnapshotCopier
@@ -270,7 +270,8 @@ class LLMEngine:
         rows = out.rows
         shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
                  else self.programs.ragged(sum(r.num_tokens for r in rows), len(rows)))
-        arrays = build_step(rows, shape, self.ecfg, self.slot_prefill_len, self.block_tables, self.block_q, rebase)
+        arrays = build_step(rows, shape, self.ecfg, self.slot_prefill_len, self.block_tables, self.block_q, rebase,
+                            self.cfg.eos_token_ids)
         self.timings["build"] += time.perf_counter() - t0
         return arrays, shape
 
@@ -315,8 +316,8 @@ class LLMEngine:
             req.num_computed += row.launch_steps * row.num_tokens  # every draft accepted, every step
             out_index.append(len(req.output_token_ids) if row.samples else -1)
             if row.samples:
-                req.output_token_ids += [PLACEHOLDER_TOKEN] * _booked_outputs(row)
-                req.output_slack += _booked_outputs(row) - min(row.launch_steps, row.token_budget)
+                req.output_token_ids += [PLACEHOLDER_TOKEN] * row.booked_outputs
+                req.output_slack += row.booked_outputs - min(row.launch_steps, row.token_budget)
                 if self.K:  # the drafts it proposes are on the device: the next row verifies K
                     req.spec_token_ids = [PLACEHOLDER_TOKEN] * self.K
                 req.awaiting_final_token = self._length_reached(req, req.num_outputs_lower_bound)
@@ -352,6 +353,7 @@ class LLMEngine:
             # unused placeholders of this request's earlier launches, removed after this one was booked
             removed = req.spec_excess - flight.excess[b]
             start, i, emitted = flight.starts[b] - removed, flight.out_index[b] - removed, 0
+            stops = device_stop_ids(req.sampling_params, self.cfg.eos_token_ids)  # the device stops the slot there
             for j, res in enumerate(results[: row.launch_steps]):  # step by step, up to the one its request ends in
                 self._record_inputs(req, start, res.input_ids[tokens_in])
                 start += int(res.num_sampled[b]) if row.samples else row.num_tokens
@@ -364,8 +366,10 @@ class LLMEngine:
                     req.output_token_ids[i + emitted] = int(token)
                     emitted += 1
                     # the device fed this row nothing after this token: its state is known to the host
-                    last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget)
-                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted, state_known=last)
+                    stopped = k == n - 1 and int(token) in stops  # then neither does any later launch
+                    last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget) or stopped
+                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted, state_known=last,
+                                         device_stopped=stopped)
                     if req.status is RequestStatus.FINISHED:
                         break
                 if req.status is RequestStatus.FINISHED:
@@ -375,11 +379,11 @@ class LLMEngine:
                 continue
             self._applied(req)
             if row.samples:
-                unused = _booked_outputs(row) - emitted
+                unused = row.booked_outputs - emitted
                 del req.output_token_ids[i + emitted : i + emitted + unused]
                 req.num_computed -= unused
                 req.spec_excess += unused
-                req.output_slack -= _booked_outputs(row) - min(row.launch_steps, row.token_budget)
+                req.output_slack -= row.booked_outputs - min(row.launch_steps, row.token_budget)
                 if sync and self.K:
                     drafts = [int(d) for d in results[row.launch_steps - 1].drafts[b]]
                     if self.draft_override is not None:
@@ -393,10 +397,10 @@ class LLMEngine:
         return self.spec_counters.metrics()
 
     def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None,
-                        state_known: bool = False) -> None:
-        """Bookkeeping for a request's output token number num_outputs (default: its last one): first
-        token time, and finishing on a stop token, max_tokens or max_model_len. state_known: its launch fed the
-        request nothing after this token (the prefix cache may keep its state)."""
+                        state_known: bool = False, device_stopped: bool = False) -> None:
+        """Bookkeeping for a request's output token number num_outputs (default: its last one): first token time,
+        finishing on a stop token, max_tokens or max_model_len. state_known: its launch fed the request nothing
+        after this token (the prefix cache may keep its state); device_stopped: nor will a launch booked since."""
         num_outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -408,7 +412,8 @@ class LLMEngine:
         else:
             return
         if state_known:
-            later = [r for r in self._in_flight.out.rows if r.request is req] if self._in_flight else []
+            flight = None if device_stopped else self._in_flight  # a stopped slot's later rows change nothing
+            later = [r for r in flight.out.rows if r.request is req] if flight else []
             self.prefix_caching.request_finished(req, num_outputs, later, self.runner.state)
         self.scheduler.finish(req, reason)
 
@@ -430,11 +435,6 @@ class LLMEngine:
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:
         return [self.output(r) for r in rids]
-
-
-def _booked_outputs(row) -> int:
-    """Placeholder outputs async scheduling books for a sampling row: one a step, 1+K a verify step."""
-    return row.launch_steps * (1 + len(row.spec_tokens))
 
 
 @dataclasses.dataclass

@@ -3,8 +3,8 @@
 A full page p of a sequence is named by a chained key: the hash of page p-1's key and the tokens at positions
 p*ps .. (p+1)*ps, one past the page (the lookahead, with an MTP layer). The extra token is there for the MTP
 layer, whose KV entry at position t joins the trunk's hidden state at t with the token at t+1: a page is reused
-only where its last entry was computed with the same next token. Pages are shared by reference count; a page nobody holds stays cached
-until its memory is needed and is evicted least recently used first.
+only where its last entry was computed with the same next token. Pages are shared by reference count; a page
+nobody holds stays cached until its memory is needed and is evicted least recently used first.
 
 A GDN layer's state summarises a whole prefix, so a prefix of L tokens can be resumed only where the state
 after exactly L tokens was kept: a snapshot (every GDN layer's conv window and recurrent state) named by the

@@ -146,6 +146,7 @@ class Request:
     # snapshot to restore into the slot before the first step (0: none), tokens found cached at admission.
     page_keys: tuple | None = dataclasses.field(default=None, repr=False)
     restore_snapshot: int = 0
+    launched: bool = False  # a row of it was built since it was admitted (step_layout.build_step)
     copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
     num_cached_tokens: int | None = None
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)

@@ -34,6 +34,11 @@ class ScheduledRow:
     token_budget: int = 1
 
     @property
+    def booked_outputs(self) -> int:
+        """Placeholder outputs async scheduling books for a sampling row: one a step, 1+K a verify step."""
+        return self.launch_steps * (1 + len(self.spec_tokens))
+
+    @property
     def padded_tail(self) -> bool:
         """A prompt tail carrying placeholder drafts (-1): they must reach the device as -1."""
         return self.kind == RowKind.PROMPT_TAIL and bool(self.spec_tokens)
@@ -118,6 +123,7 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
+        req.launched = False
         req.prefill_len = req.num_tokens
         req.spec_token_ids = []
         req.awaiting_final_token = False

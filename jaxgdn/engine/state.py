@@ -7,7 +7,7 @@ Device side: `EngineState`, one pytree donated to every jitted step.
   - GDN layer i: conv [num_slots, Kc-1+K, C] (window at offset num_accepted-1) and ssm
     [num_slots, 1+K, Hv, dk, dv] fp32 (checkpoint num_accepted-1 is the committed state); slot 0 is
     the null slot of padded rows.
-  - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K].
+  - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K], stopped.
 Beside it, never an argument of a step program (each argument costs every launch's dispatch): the prefix cache's
 snapshots (`init_snapshots`), per GDN layer conv [N, Kc-1, C] and ssm [N, Hv, dk, dv] fp32, the state after a
 cached prefix (`snapshots.py`); snapshot 0 is the null one padding copies write.
@@ -79,6 +79,10 @@ class EngineState:
     # scheduled before the previous one's results are back (async scheduling with MTP) starts its rows
     # there instead of at the host's guess (device_step.packed_step).
     num_computed: Array  # [num_slots] int32
+    # The slot's request sampled one of its stop tokens: its rows in launches already booked run on the null
+    # slot, so the slot keeps the state after its last token (the prefix cache keeps it); a new request's
+    # first row clears it (device_step.packed_step).
+    stopped: Array  # [num_slots] bool
 
 
 def init_engine_state(
@@ -106,6 +110,7 @@ def init_engine_state(
         draft_tokens=jnp.zeros((S, K), jnp.int32),
         num_accepted=jnp.ones((S,), jnp.int32),
         num_computed=jnp.zeros((S,), jnp.int32),
+        stopped=jnp.zeros((S,), bool),
     )
     if garbage_seed is None:
         return state

@@ -23,6 +23,17 @@ from .scheduler import ScheduledRow, runs_verify_path
 from .state import NULL_PAGE
 
 
+DEVICE_STOPS = 4  # stop tokens per row the device checks (the host checks them all)
+
+
+def device_stop_ids(params, eos_token_ids: tuple) -> list[int]:
+    """The stop tokens the device checks for a request: its EOS tokens (unless ignore_eos), then its
+    stop_token_ids, the first DEVICE_STOPS of them. Each is a token the host finishes the request on
+    (`LLMEngine._finish_if_done`), so a slot the device flags never has a request that goes on."""
+    ids = (() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)
+    return list(dict.fromkeys(ids))[:DEVICE_STOPS]
+
+
 @struct.dataclass
 class StepArrays:
     """One step's arrays: numpy on the host, then (`pack_step_arrays` / `unpack_step_arrays`) device arrays
@@ -46,6 +57,8 @@ class StepArrays:
     next_token: np.ndarray  # [R] the token after a non-sampling chunk (for the MTP's last cell)
     samples: np.ndarray  # [R] bool
     token_budget: np.ndarray  # [R] tokens the row may emit in a launch of several steps (runner._advance_rows)
+    stop_ids: np.ndarray  # [R, DEVICE_STOPS] tokens that end the row's request (-1: none), checked on the device
+    first_row: np.ndarray  # [R] bool: the request's first row since it was admitted (clears its slot's stop flag)
     rebase: np.ndarray  # [R] bool: the row starts where the device's count says (async scheduling with MTP)
     row_kind: np.ndarray  # [R] int32 RowKind
     temperature: np.ndarray  # [R] sampling parameters per row
@@ -70,10 +83,12 @@ class BlockTables:
 
 
 def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, slot_prefill_len: np.ndarray,
-               tables: BlockTables, block_q: int, rebase: list[bool] | None = None) -> StepArrays:
+               tables: BlockTables, block_q: int, rebase: list[bool] | None = None,
+               eos_token_ids: tuple = ()) -> StepArrays:
     """Flatten scheduled rows into the arrays of a program of `shape`. slot_prefill_len: [S] per-slot prompt
     lengths; tables: the block tables (synced here); block_q: the attention kernel's queries per block;
-    rebase: per row, whether its previous launch is still in flight (its num_computed is the host's guess)."""
+    rebase: per row, whether its previous launch is still in flight (its num_computed is the host's guess);
+    eos_token_ids: the model's (the rows' device stop tokens). Marks each request launched."""
     n_rows = len(rows)
     n_tok = np.array([r.num_tokens for r in rows], np.int32)
     n_tokens = int(n_tok.sum())
@@ -124,6 +139,9 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
     request_ids = [hi if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF
                    for q, sp, (_, hi) in zip(reqs, sps, words)]
     next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
+    first = [not q.launched for q in reqs]
+    for q in reqs:
+        q.launched = True
     return StepArrays(
         input_ids=input_ids, positions=positions, token_row=token_row, kv_slots=kv_slots, query_start_loc=qsl,
         seq_lens=per_row(start + n_tok, np.int32), idx_mapping=idx_mapping, cu_num_logits=cu,
@@ -134,6 +152,7 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
         next_token=per_row(next_token, np.int32),
         samples=per_row([r.samples for r in rows], bool),
         token_budget=per_row([r.token_budget for r in rows], np.int32),
+        stop_ids=_stop_table(sps, eos_token_ids, R), first_row=per_row(first, bool),
         rebase=per_row(rebase or False, bool),
         row_kind=per_row([int(r.kind) for r in rows], np.int32, fill=int(RowKind.PAD)),
         temperature=per_row([sp.temperature for sp in sps], np.float32),
@@ -141,6 +160,15 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
         top_p=per_row([sp.top_p for sp in sps], np.float32, fill=1.0),
         seeds=per_row(seeds, np.uint32), request_ids=per_row(request_ids, np.uint32),
     )
+
+
+def _stop_table(sps, eos_token_ids: tuple, R: int) -> np.ndarray:
+    """[R, DEVICE_STOPS] each row's device stop tokens, -1 padded."""
+    table = np.full((R, DEVICE_STOPS), -1, np.int32)
+    for b, sp in enumerate(sps):
+        ids = device_stop_ids(sp, eos_token_ids)
+        table[b, : len(ids)] = ids
+    return table
 
 
 def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays:
