@@ -27,7 +27,7 @@ from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput,
 from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
-from .step_layout import BlockTables, StepArrays, build_step, device_stop_ids, empty_step, pack_step_arrays
+from .step_layout import BlockTables, StepArrays, StopTable, build_step, empty_step, pack_step_arrays
 from .placement import Placement
 from .prefix_cache import PrefixCache
 from .snapshots import PrefixCaching, SnapshotCopier
@@ -98,6 +98,7 @@ class LLMEngine:
             copier = SnapshotCopier(cfg, snapshots, self.runner.buffer_sharding)
         self.prefix_caching = PrefixCaching(self.prefix, copier)
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
+        self.stop_table = StopTable(ecfg.num_slots, cfg.eos_token_ids)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.decode = decode
@@ -271,7 +272,7 @@ class LLMEngine:
         shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
                  else self.programs.ragged(sum(r.num_tokens for r in rows), len(rows)))
         arrays = build_step(rows, shape, self.ecfg, self.slot_prefill_len, self.block_tables, self.block_q, rebase,
-                            self.cfg.eos_token_ids)
+                            self.stop_table)
         self.timings["build"] += time.perf_counter() - t0
         return arrays, shape
 
@@ -353,7 +354,6 @@ class LLMEngine:
             # unused placeholders of this request's earlier launches, removed after this one was booked
             removed = req.spec_excess - flight.excess[b]
             start, i, emitted = flight.starts[b] - removed, flight.out_index[b] - removed, 0
-            stops = device_stop_ids(req.sampling_params, self.cfg.eos_token_ids)  # the device stops the slot there
             for j, res in enumerate(results[: row.launch_steps]):  # step by step, up to the one its request ends in
                 self._record_inputs(req, start, res.input_ids[tokens_in])
                 start += int(res.num_sampled[b]) if row.samples else row.num_tokens
@@ -365,11 +365,10 @@ class LLMEngine:
                 for k, token in enumerate(res.tokens[b, :n]):
                     req.output_token_ids[i + emitted] = int(token)
                     emitted += 1
-                    # the device fed this row nothing after this token: its state is known to the host
-                    stopped = k == n - 1 and int(token) in stops  # then neither does any later launch
-                    last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget) or stopped
-                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted, state_known=last,
-                                         device_stopped=stopped)
+                    # the last token of its step, and of its launch: the device fed the row nothing after it
+                    last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget)
+                    self._finish_if_done(req, int(token), now, num_outputs=i + emitted, last_of_step=k == n - 1,
+                                         last_of_launch=last)
                     if req.status is RequestStatus.FINISHED:
                         break
                 if req.status is RequestStatus.FINISHED:
@@ -397,10 +396,10 @@ class LLMEngine:
         return self.spec_counters.metrics()
 
     def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None,
-                        state_known: bool = False, device_stopped: bool = False) -> None:
+                        last_of_step: bool = False, last_of_launch: bool = False) -> None:
         """Bookkeeping for a request's output token number num_outputs (default: its last one): first token time,
-        finishing on a stop token, max_tokens or max_model_len. state_known: its launch fed the request nothing
-        after this token (the prefix cache may keep its state); device_stopped: nor will a launch booked since."""
+        finishing on a stop token, max_tokens or max_model_len. last_of_step / last_of_launch: the device fed the
+        request nothing after this token in its step / its launch (then the prefix cache may keep its state)."""
         num_outputs = len(req.output_token_ids) if num_outputs is None else num_outputs
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -411,7 +410,8 @@ class LLMEngine:
             reason = "length"
         else:
             return
-        if state_known:
+        device_stopped = last_of_step and reason == "stop" and token in req.device_stops  # later rows: null slot
+        if last_of_launch or device_stopped:
             flight = None if device_stopped else self._in_flight  # a stopped slot's later rows change nothing
             later = [r for r in flight.out.rows if r.request is req] if flight else []
             self.prefix_caching.request_finished(req, num_outputs, later, self.runner.state)

@@ -68,10 +68,6 @@ class PageCache:
     def num_free(self) -> int:
         return len(self._free) + len(self._lru)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.key_of)
-
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise MemoryError(f"need {n} KV pages, {self.num_free} free")
@@ -135,7 +131,6 @@ class SnapshotIndex:
     one evicted and overwritten after a restore was dispatched never corrupts that restore."""
 
     def __init__(self, num_snapshots: int):
-        self.capacity = max(num_snapshots - 1, 0)
         self._free = list(range(num_snapshots - 1, 0, -1))
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
@@ -252,8 +247,8 @@ class PrefixCache:
         for length in range(last, full * ps, -1):
             key = tail_key(keys, known, length, ps, self.lookahead)
             page = self.pages.page_of.get(key)
-            sid = self.snapshots.get(key) if self.state_interval else 0
-            if page is not None and sid is not None:
+            sid = None if page is None else self.snapshots.get(key) if self.state_interval else 0
+            if sid is not None:
                 return PrefixHit(pages[:full], length, sid, tail_page=page)
         return None
 

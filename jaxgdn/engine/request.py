@@ -147,6 +147,7 @@ class Request:
     page_keys: tuple | None = dataclasses.field(default=None, repr=False)
     restore_snapshot: int = 0
     launched: bool = False  # a row of it was built since it was admitted (step_layout.build_step)
+    device_stops: tuple = ()  # the stop tokens the device checks (step_layout.StopTable, at its first row)
     copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
     num_cached_tokens: int | None = None
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)

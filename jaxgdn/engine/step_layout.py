@@ -26,12 +26,27 @@ from .state import NULL_PAGE
 DEVICE_STOPS = 4  # stop tokens per row the device checks (the host checks them all)
 
 
-def device_stop_ids(params, eos_token_ids: tuple) -> list[int]:
-    """The stop tokens the device checks for a request: its EOS tokens (unless ignore_eos), then its
-    stop_token_ids, the first DEVICE_STOPS of them. Each is a token the host finishes the request on
+class StopTable:
+    """Each slot's stop tokens the device checks ([S, DEVICE_STOPS], -1 padded), written when a request's first
+    row is built (`build_step`), as BlockTables holds the slots' pages."""
+
+    def __init__(self, num_slots: int, eos_token_ids: tuple):
+        self.table = np.full((num_slots, DEVICE_STOPS), -1, np.int32)
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def admit(self, req: Request) -> None:
+        req.device_stops = device_stop_ids(req.sampling_params, self.eos_token_ids)
+        self.table[req.slot] = req.device_stops
+
+
+def device_stop_ids(params, eos_token_ids: tuple) -> np.ndarray:
+    """[DEVICE_STOPS] the stop tokens the device checks for a request, -1 padded: its EOS tokens (unless
+    ignore_eos), then its stop_token_ids. Each is a token the host finishes the request on
     (`LLMEngine._finish_if_done`), so a slot the device flags never has a request that goes on."""
-    ids = (() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)
-    return list(dict.fromkeys(ids))[:DEVICE_STOPS]
+    ids = list(dict.fromkeys((() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)))
+    out = np.full(DEVICE_STOPS, -1, np.int32)
+    out[: min(len(ids), DEVICE_STOPS)] = ids[:DEVICE_STOPS]
+    return out
 
 
 @struct.dataclass
@@ -84,11 +99,12 @@ class BlockTables:
 
 def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, slot_prefill_len: np.ndarray,
                tables: BlockTables, block_q: int, rebase: list[bool] | None = None,
-               eos_token_ids: tuple = ()) -> StepArrays:
+               stops: StopTable | None = None) -> StepArrays:
     """Flatten scheduled rows into the arrays of a program of `shape`. slot_prefill_len: [S] per-slot prompt
     lengths; tables: the block tables (synced here); block_q: the attention kernel's queries per block;
     rebase: per row, whether its previous launch is still in flight (its num_computed is the host's guess);
-    eos_token_ids: the model's (the rows' device stop tokens). Marks each request launched."""
+    stops: the slots' stop tokens (None: none), written for each request's first row. Marks each request
+    launched."""
     n_rows = len(rows)
     n_tok = np.array([r.num_tokens for r in rows], np.int32)
     n_tokens = int(n_tok.sum())
@@ -140,7 +156,9 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
                    for q, sp, (_, hi) in zip(reqs, sps, words)]
     next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
     first = [not q.launched for q in reqs]
-    for q in reqs:
+    for q, is_first in zip(reqs, first):
+        if is_first and stops is not None:
+            stops.admit(q)
         q.launched = True
     return StepArrays(
         input_ids=input_ids, positions=positions, token_row=token_row, kv_slots=kv_slots, query_start_loc=qsl,
@@ -152,7 +170,8 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
         next_token=per_row(next_token, np.int32),
         samples=per_row([r.samples for r in rows], bool),
         token_budget=per_row([r.token_budget for r in rows], np.int32),
-        stop_ids=_stop_table(sps, eos_token_ids, R), first_row=per_row(first, bool),
+        stop_ids=(stops.table[idx_mapping] if stops is not None else np.full((R, DEVICE_STOPS), -1, np.int32)),
+        first_row=per_row(first, bool),
         rebase=per_row(rebase or False, bool),
         row_kind=per_row([int(r.kind) for r in rows], np.int32, fill=int(RowKind.PAD)),
         temperature=per_row([sp.temperature for sp in sps], np.float32),
@@ -160,15 +179,6 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
         top_p=per_row([sp.top_p for sp in sps], np.float32, fill=1.0),
         seeds=per_row(seeds, np.uint32), request_ids=per_row(request_ids, np.uint32),
     )
-
-
-def _stop_table(sps, eos_token_ids: tuple, R: int) -> np.ndarray:
-    """[R, DEVICE_STOPS] each row's device stop tokens, -1 padded."""
-    table = np.full((R, DEVICE_STOPS), -1, np.int32)
-    for b, sp in enumerate(sps):
-        ids = device_stop_ids(sp, eos_token_ids)
-        table[b, : len(ids)] = ids
-    return table
 
 
 def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays:
