@@ -86,6 +86,31 @@ def is_correct(completion: str | None, answer: int) -> bool:
         return False
 
 
+def choice_loglikelihoods(llm, problems: list[task.Problem]) -> list[list[float]]:
+    """Each problem's four choices (`task.multiple_choice`) scored as lm-evaluation-harness's loglikelihood does,
+    from the engine's prompt logprobs: a choice's continuation " " + choice is the rest of the whole text's tokens
+    after the context's; its score, the sum of their logprobs."""
+    from .engine.request import SamplingParams
+
+    encode = llm.tokenizer.encode
+    prompts, spans = [], []
+    for p in problems:
+        for choice in task.multiple_choice(p)[0]:
+            prompts.append(encode(p.prompt() + " " + choice))
+            spans.append(len(encode(p.prompt())))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    scores = [sum(e[t].logprob for t, e in zip(o.prompt_token_ids[n:], o.prompt_logprobs[n:]))
+              for o, n in zip(outs, spans)]
+    return [scores[4 * i : 4 * i + 4] for i in range(len(problems))]
+
+
+def multiple_choice_accuracy(llm, problems: list[task.Problem]) -> float:
+    """The share of problems whose right choice scores highest (lm-eval's `acc`)."""
+    scores = choice_loglikelihoods(llm, problems)
+    labels = [task.multiple_choice(p)[1] for p in problems]
+    return sum(s.index(max(s)) == label for s, label in zip(scores, labels)) / len(problems)
+
+
 def engine_config(sc: ServeConfig, args):
     """The EngineConfig of one configuration: pages for every request at full length, lazy compiles (greedy
     requests known up front compile only the programs they use)."""

@@ -186,7 +186,7 @@ class LLM:
         """Speculative decoding counters, PD handoff bytes, model steps and device launches of everything
         served so far (a launch may run several decode steps: decode_steps_per_launch), and the prefix cache's
         prompt tokens looked up and found (hit rate: found / looked up)."""
-        m = self.engine.spec_metrics()
+        m = self.engine.spec_counters.metrics()
         m["handoff_bytes"] = getattr(self.engine, "handoff_bytes_in", 0)  # a PD decode worker's
         m["num_steps"] = self.engine.num_steps
         m["num_launches"] = self.engine.num_launches

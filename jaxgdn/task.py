@@ -72,6 +72,25 @@ def extract_answer(text: str) -> str | None:
     return m.group(1).replace(",", "") if m else None
 
 
+def multiple_choice(problem: Problem) -> tuple[list[str], int]:
+    """The problem's worked solution against three whose last result and `####` answer are wrong (the right one
+    at a place set by the question's hash), and the right one's index: the multiple-choice form, scored by
+    loglikelihood."""
+    a = problem.answer
+    wrong = [d for d in (a + 1, a - 1, a + 10, a + 2, a + 3) if d >= 0][:3]
+    head, _, _ = problem.solution.rpartition("\n####")
+    tail = f"={a}."
+
+    def with_answer(d: int) -> str:
+        body = head[: head.rfind(tail)] + f"={d}." + head[head.rfind(tail) + len(tail):] if tail in head else head
+        return f"{body}\n#### {d}"
+
+    label = zlib.crc32(problem.question.encode()) % 4
+    choices = [with_answer(d) for d in wrong]
+    choices.insert(label, problem.solution)
+    return choices, label
+
+
 def _operation(rng: random.Random, name: str, item: str, x: int) -> tuple[str, str, int] | None:
     """One step on count x: (sentence, solution line, new count), or None if this pick does not fit x."""
     kind = rng.choice(("buy", "find", "give", "lose", "double", "triple", "share"))

@@ -220,7 +220,7 @@ def assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed: int):
     for s, a in zip(s_fed, a_fed):
         s, a = [f for f in s if f[1] != -1], [f for f in a if f[1] != -1]
         assert set(s) <= set(a) and len(a) - len(s) <= extra_fed
-    assert async_eng.spec_metrics() == sync_eng.spec_metrics()
+    assert async_eng.spec_counters.metrics() == sync_eng.spec_counters.metrics()
     assert async_eng.scheduler.pages.num_free == async_eng.runner.state.layers[-1].k.shape[0] - 1
     assert async_eng.scheduler.slots.num_free == async_eng.ecfg.max_num_seqs
     for req in async_eng.requests.values():  # no booking left behind

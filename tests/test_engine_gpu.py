@@ -144,7 +144,7 @@ def test_sampled_mtp_tokens_on_gpu_lie_in_the_sampling_support(steps, scheduling
     bad = {r: outside_sampling_support(params, cfg, p, eng.output(r).token_ids, sp)
            for r, p, sp in zip(rids, prompts, sps)}
     assert not any(bad.values()), bad
-    assert eng.spec_metrics()["num_accepted"] > 0
+    assert eng.spec_counters.metrics()["num_accepted"] > 0
 
 
 def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
@@ -161,7 +161,7 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     outs = {}
     for steps, scheduling in ((None, None), (1, False)):  # None: the engine's GPU default
         eng, rids = serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling)
-        outs[steps] = ([eng.output(r).token_ids for r in rids], eng.spec_metrics())
+        outs[steps] = ([eng.output(r).token_ids for r in rids], eng.spec_counters.metrics())
         expected = (4, True, True) if steps is None else (1, False, False)
         assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps, eng.async_scheduling) == expected
     assert outs[None] == outs[1]

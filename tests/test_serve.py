@@ -11,6 +11,7 @@ import random
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,6 +31,7 @@ CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len
 pytestmark = pytest.mark.xdist_group("serve")  # one worker compiles the server's programs
 MODEL = "qwen35-tiny-arith"
 PROBLEMS = task.take("test", 200)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +124,74 @@ def test_chat_requests_sharing_a_long_prefix_report_cached_tokens(server, refere
     assert "jaxgdn_prefix_cache_hits" in httpx.get(url + "/metrics").text
 
 
+def test_logprobs_echo_and_prompt_scoring_through_the_openai_client(server, reference):
+    """Completions' logprobs (streamed too), echo with max_tokens 0 (how lm-eval scores a prompt) and chat's
+    logprobs/top_logprobs carry the values LLM.generate reports."""
+    url, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = PROBLEMS[30].prompt()
+    offline = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=3),
+                                 use_tqdm=False)[0]
+    expected = [e[t].logprob for t, e in zip(offline.token_ids, offline.logprobs)]
+    expected_prompt = [e[t].logprob for t, e in zip(offline.prompt_token_ids[1:], offline.prompt_logprobs[1:])]
+
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].model_extra["token_ids"] == offline.token_ids
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs) and "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
+    assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(expected, abs=1e-5)
+
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = scored.choices[0]
+    assert c.text == prompt and c.model_extra["token_ids"] == [] and scored.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(offline.prompt_token_ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(expected_prompt, abs=1e-5)
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROBLEMS[30].question}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert "".join(x.token for x in content) == chat.choices[0].message.content
+    assert all(x.top_logprobs[0].logprob >= x.logprob - 1e-6 for x in content)
+
+
+def test_lm_eval_loglikelihood_task_through_the_server_scores_as_llm_does(server, reference):
+    """The multiple-choice task (evals/lm_eval/jaxgdn_arith_mc.yaml) through lm-eval's local-completions with the
+    server's /tokenize: each choice's loglikelihood equals LLM's own prompt-logprobs scoring, so the accuracy does."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from jaxgdn import eval as jeval
+
+    url, _ = server
+    n = 12
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": url + "/v1/completions", "model": MODEL, "tokenizer_backend": "remote",
+                    "num_concurrent": 8, "max_retries": 1, "timeout": 300},
+        tasks=["jaxgdn_arith_mc"], task_manager=TaskManager(include_path=str(ROOT / "evals" / "lm_eval"),
+                                                            include_defaults=False),
+        limit=n, log_samples=True)
+    served = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in out["samples"]["jaxgdn_arith_mc"]}
+    offline = jeval.choice_loglikelihoods(reference, PROBLEMS[:n])
+    assert [served[i] for i in range(n)] == [pytest.approx(s, abs=1e-3) for s in offline]
+    accuracy = out["results"]["jaxgdn_arith_mc"]["acc,none"]
+    assert accuracy == jeval.multiple_choice_accuracy(reference, PROBLEMS[:n]) and accuracy > 0.6  # chance: 0.25
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "model": "another-model"}, "model"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x" * 600}, "prompt"),  # past max_model_len
     ({"prompt": [10**6]}, "prompt"),  # outside the vocabulary
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):

@@ -77,7 +77,7 @@ def test_greedy_losslessness(K, pd, eager, concurrency):
     for out, p in zip(outs, prompts):
         assert out.error is None and out.token_ids == ref(p), f"prompt length {len(p)}"
     assert_prompt_fidelity(eng, outs)
-    assert eng.spec_metrics()["num_drafted"] > 0
+    assert eng.spec_counters.metrics()["num_drafted"] > 0
     if pd:
         assert eng.handoff_bytes_in > 0
 
@@ -198,7 +198,7 @@ def test_adversarial_drafts_change_acceptance_only(kind):
     assert accepted_in_range
     for r, p in zip(rids, prompts):
         assert eng.output(r).token_ids == truth[tuple(p)]
-    m = eng.spec_metrics()
+    m = eng.spec_counters.metrics()
     if kind == "true_argmax":
         assert m["acceptance_rate"] > 0.9
     elif kind in ("placeholder", "out_of_range"):
@@ -252,7 +252,7 @@ def test_temperature_sampling_with_mtp_matches_plain_sampling():
 
     plain, _ = third_tokens(0)
     spec, eng = third_tokens(2)
-    assert eng.spec_metrics()["num_accepted"] > 50  # both the accept and the residual paths ran
+    assert eng.spec_counters.metrics()["num_accepted"] > 50  # both the accept and the residual paths ran
     table = np.stack([plain, spec]).astype(float)
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     keep = expected.min(0) > 0
@@ -374,5 +374,5 @@ def test_a_repeated_workload_compiles_nothing():
         serve_all()
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
-    assert eng.spec_metrics()["acceptance_rate"] < 1  # rejections happened: the verify path varied
+    assert eng.spec_counters.metrics()["acceptance_rate"] < 1  # rejections happened: the verify path varied
     assert lowerings == []

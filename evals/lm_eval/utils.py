@@ -18,3 +18,18 @@ def load_dataset(**kwargs):
 
 def process_results(doc: dict, results: list[str]) -> dict:
     return {"exact_match": float(is_correct(results[0], int(extract_answer(doc["answer"]))))}
+
+
+def load_mc_dataset(**kwargs):
+    """The multiple-choice form (jaxgdn.task.multiple_choice): each row's choices and the right one's index."""
+    import datasets
+
+    from jaxgdn.task import Problem, multiple_choice
+
+    rows = []
+    for line in DATA.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            choices, label = multiple_choice(Problem(row["question"], row["answer"], int(extract_answer(row["answer"]))))
+            rows.append({**row, "choices": choices, "label": label})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=int, default=None,
                     help="at most this many requests in flight (a request's latency counts from its admission)")
     sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--logprobs", type=int, default=None,
+                    help="every request asks for the logprobs of its tokens and the top N (the cost of logprobs)")
     sv.add_argument("--http", metavar="URL", default=None,
                     help="drive a running OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000) instead of "
                          "an in-process engine; --model names the checkpoint it serves (its vocabulary, tokenizer)")

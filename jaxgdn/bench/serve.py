@@ -68,9 +68,10 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
-def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | None = None) -> dict:
+def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | None = None,
+          logprobs: int | None = None) -> dict:
     """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s; at most max_concurrency
-    in flight, a request arriving when it is admitted), stamping each output token when the host sees it. With
+    in flight, a request arriving when it is admitted; logprobs: every request asks for them), stamping each output token when the host sees it. With
     PD (llm.prefill_worker) a prompt goes to the prefill worker and its handoff to the decode worker, the two
     stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
@@ -106,7 +107,8 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
         now = time.perf_counter() - t0
         while pending and pending[0][0] <= now and len(live) < (max_concurrency or len(requests)):
             arrival, (prompt, max_tokens) = pending.pop(0)
-            i, sp = len(requests) - len(pending) - 1, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            i, sp = len(requests) - len(pending) - 1, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                                          logprobs=logprobs)
             if prefill is not None and len(prompt) > 1:
                 in_prefill[prefill.submit(prompt, sp)] = i
             else:
@@ -214,7 +216,7 @@ def child_run(args) -> dict:
         conversations = make_conversations(args, llm.model_config.vocab_size)
         run = lambda: serve_conversations(llm, conversations, args.max_model_len)  # noqa: E731
     else:
-        run = lambda: serve(llm, requests, args.request_rate, args.seed, args.max_concurrency)  # noqa: E731
+        run = lambda: serve(llm, requests, args.request_rate, args.seed, args.max_concurrency, args.logprobs)  # noqa: E731
     out["cold"] = run()
     out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
     out["warm"] = run()
@@ -252,6 +254,7 @@ def _forwarded(args) -> list[str]:
              "--input-len", *map(str, args.input_len), "--output-len", *map(str, args.output_len),
              "--request-rate", str(args.request_rate), "--seed", str(args.seed),
              *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
+             *(["--logprobs", str(args.logprobs)] if args.logprobs is not None else []),
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
@@ -318,7 +321,7 @@ def bench_serve(args) -> dict:
                **({"prefix_len": args.prefix_len} if args.dataset == "prefix" else {}),
                **({"num_turns": args.num_turns} if args.dataset == "multiturn" else {}),
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
-               "max_concurrency": args.max_concurrency, "seed": args.seed, "engine": {k: getattr(args, k) for k in (
+               "max_concurrency": args.max_concurrency, "seed": args.seed, "logprobs": args.logprobs, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
                    "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd",
                    "enable_prefix_caching")},

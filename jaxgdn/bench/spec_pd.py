@@ -49,7 +49,7 @@ def shipped_model_spec(model_dir: str, ks, num_prompts: int, max_tokens: int,
         # the median of 3: one serve is ~30-90 ms, and single runs of it moved up to 2x between calls
         runs = sorted(serve() for _ in range(3))
         dt, generated = runs[1]
-        m = eng.spec_metrics() if K else {}
+        m = eng.spec_counters.metrics() if K else {}
         rows.append({"K": K, "requests": len(prompts), "generated": generated, "seconds": dt,
                      "async_scheduling": eng.async_scheduling,
                      "tokens_per_s": generated / dt, "mean_acceptance_length": m.get("mean_acceptance_length"),

@@ -17,24 +17,28 @@ from ..model.parallel import head_argmax, head_logits
 from ..model.params import ModelParams
 from ..model.policy import KernelPolicy
 from .forward import StepMeta, forward, mtp_ragged
+from .logprobs import Sampler, pack, score, score_stream, stream_targets
 from .sampling import position_keys
 from .spec_decode import verify_drafts
 from .state import NULL_PAGE, EngineState, PagedKV
 from .step_layout import StepArrays, unpack_step_arrays
 
 
-def packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, stochastic: bool,
+def packed_step(params: ModelParams, state: EngineState, resident, host_input, layout: tuple, sampler: int,
                  num_steps: int = 1, width: int = 0, rebases: bool = False, **static):
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
-    the four results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] for a
-    single device-to-host copy. Returns (state, flat, resident).
+    the results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] for a
+    single device-to-host copy. Returns (state, flat, resident). scores (logprobs.pack): with
+    sampler >= LOGPROBS those of the R*(1+K) sampled tokens, then with PROMPT_LOGPROBS those of the T tokens'
+    successors.
 
     host_input: int32[n], this step's packed arrays, a new device buffer every step. resident: int32[n + 1],
     donated, the same device buffer every step of this size. XLA's CUDA graphs hold the addresses of their
     buffers; reading the input from resident keeps every kernel but the first copy at fixed addresses, so
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
-    stochastic (static): some row samples with temperature > 0.
+    sampler (static, logprobs.Sampler): GREEDY, or SAMPLE (some row samples with temperature > 0), or that and
+    the scores above.
     width (static): 0 for a ragged program; > 0 for a uniform one (every real row `width` tokens), whose
     token mixers view the stream as [R, width] (`forward.RowView`, the decode kernels).
     num_steps (static): > 1 runs that many model steps in one launch of a uniform program (every row a
@@ -53,9 +57,9 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     state = state.replace(stopped=state.stopped.at[jnp.where(a.first_row, a.idx_mapping, S)].set(False, mode="drop"))
 
     def one_step(state, arrays):
-        state, tokens, num_sampled, drafts, ids = _device_step(params, state, arrays, stochastic=stochastic,
-                                                               width=width, **static)
-        flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel()]).astype(jnp.int32)
+        state, tokens, num_sampled, drafts, ids, scores = _device_step(params, state, arrays, sampler=sampler,
+                                                                       width=width, **static)
+        flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), ids.ravel(), *scores]).astype(jnp.int32)
         return state, flat, num_sampled
 
     # Rows the host flags (rebase: their previous launch's results were not back when this one was
@@ -120,7 +124,8 @@ def _step_meta(a: StepArrays) -> StepMeta:
 
 
 def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg: ModelConfig,
-                 policy: KernelPolicy, reproduce_pd_mtp_bug: bool, stochastic: bool = True, width: int = 0):
+                 policy: KernelPolicy, reproduce_pd_mtp_bug: bool, sampler: int = Sampler.SAMPLE, width: int = 0):
+    stochastic = sampler >= Sampler.SAMPLE
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a.idx_mapping.shape[0]
@@ -156,6 +161,12 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
                          (a.positions[tok_at] + 1).reshape(-1)).reshape(R, W)
     tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a.temperature, a.top_k, a.top_p, keys,
                                          stochastic, argmax=greedy, vocab_size=cfg.vocab_size)
+    scores = []
+    if sampler >= Sampler.LOGPROBS:
+        scores.append(pack(score(logits.reshape(R * W, -1), tokens.reshape(-1))))
+    if sampler >= Sampler.PROMPT_LOGPROBS:
+        targets = stream_targets(ids, a.token_row, a.next_token)
+        scores.append(pack(score_stream(params, hidden, targets, cfg.vocab_size, policy)))
     samples = a.samples & real
     num_sampled = jnp.where(samples, num_sampled, 0)
     last_token = jnp.take_along_axis(tokens, jnp.maximum(num_sampled - 1, 0)[:, None], 1)[:, 0]
@@ -179,7 +190,7 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed,
                         stopped=stopped)
-    return state, tokens, num_sampled, new_drafts, ids
+    return state, tokens, num_sampled, new_drafts, ids, scores
 
 
 def _propose_drafts(params, cfg, a, meta: StepMeta, ids, hidden, tokens, num_sampled, n_draft, samples, last_token,

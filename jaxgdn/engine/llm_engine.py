@@ -28,6 +28,7 @@ from .runner import ModelRunner, PendingStep, enable_compilation_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
 from .step_layout import BlockTables, StepArrays, StopTable, build_step, empty_step, pack_step_arrays
+from .logprobs import launch_sampler, record_prompt, record_sampled
 from .placement import Placement
 from .prefix_cache import PrefixCache
 from .snapshots import PrefixCaching, SnapshotCopier
@@ -131,7 +132,7 @@ class LLMEngine:
         keys = []
         for shape in self.programs.all_shapes():
             _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
-            keys += [(layout, stochastic, shape.num_steps, shape.width) for stochastic in (False, True)[: 1 + sampled]]
+            keys += [(layout, sampler, shape.num_steps, shape.width) for sampler in range(1 + sampled)]
         return keys
 
     def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
@@ -305,7 +306,7 @@ class LLMEngine:
         in_flight = {id(row.request) for row in self._in_flight.out.rows} if self._in_flight else set()
         rebase = [id(row.request) in in_flight for row in out.rows]
         arrays, shape = self._prepare(out, rebase, num_steps)
-        pending = self.runner.dispatch(arrays, num_steps, shape.width)
+        pending = self.runner.dispatch(arrays, num_steps, shape.width, launch_sampler(out.rows))
         self.prefix_caching.after(out.rows, [r.request.num_computed for r in out.rows], self.runner.state)
         self.num_steps += num_steps
         self.num_launches += 1
@@ -356,6 +357,7 @@ class LLMEngine:
             start, i, emitted = flight.starts[b] - removed, flight.out_index[b] - removed, 0
             for j, res in enumerate(results[: row.launch_steps]):  # step by step, up to the one its request ends in
                 self._record_inputs(req, start, res.input_ids[tokens_in])
+                record_prompt(req, res.stream_scores, tokens_in.start, start, row.num_tokens)
                 start += int(res.num_sampled[b]) if row.samples else row.num_tokens
                 if not row.samples:
                     continue
@@ -364,6 +366,7 @@ class LLMEngine:
                     self.spec_counters.count(req.metrics, len(row.spec_tokens), n - 1)
                 for k, token in enumerate(res.tokens[b, :n]):
                     req.output_token_ids[i + emitted] = int(token)
+                    record_sampled(req, res.sampled_scores, b * (1 + self.K) + k, int(token))
                     emitted += 1
                     # the last token of its step, and of its launch: the device fed the row nothing after it
                     last = k == n - 1 and (j == row.launch_steps - 1 or emitted >= row.token_budget)
@@ -390,10 +393,6 @@ class LLMEngine:
                         self.runner.set_drafts(req.slot, drafts)
                     req.spec_token_ids = drafts
         self.timings["update"] += time.perf_counter() - now
-
-    def spec_metrics(self) -> dict:
-        """Drafted/accepted counts, acceptance rate per draft position, mean acceptance length."""
-        return self.spec_counters.metrics()
 
     def _finish_if_done(self, req: Request, token: int, now: float, num_outputs: int | None = None,
                         last_of_step: bool = False, last_of_launch: bool = False) -> None:

@@ -45,6 +45,7 @@ class Handoff:
     request_id: int = -1  # the prefill worker's id, for the orchestrator's bookkeeping
     fingerprint: str = ""  # config_fingerprint of the prefill side; the decode side must match it
     num_cached_tokens: int = 0  # of the prompt, found in the prefill worker's prefix cache
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: Request.prompt_logprobs
 
     ARRAYS = ("kv_k", "kv_v", "mtp_k", "mtp_v", "conv", "ssm")
 
@@ -65,7 +66,8 @@ class Handoff:
             offset += arr.nbytes
         meta = {"prompt_token_ids": self.prompt_token_ids, "num_computed": self.num_computed,
                 "sampling_params": dataclasses.asdict(self.sampling_params), "request_id": self.request_id,
-                "fingerprint": self.fingerprint, "num_cached_tokens": self.num_cached_tokens, "arrays": layout}
+                "fingerprint": self.fingerprint, "num_cached_tokens": self.num_cached_tokens,
+                "prompt_logprobs": self.prompt_logprobs, "arrays": layout}
         header = json.dumps(meta).encode()
         raw = [memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) for arr in host]
         return b"".join([self._MAGIC, len(header).to_bytes(8, "little"), header, *raw])
@@ -155,6 +157,7 @@ def export_handoff(cfg: ModelConfig, state: EngineState, req: Request, full_prom
         request_id=req.request_id,
         fingerprint=fingerprint,
         num_cached_tokens=req.num_cached_tokens or 0,
+        prompt_logprobs=req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None,
     )
 
 

@@ -221,8 +221,10 @@ class PrefixCache:
         return req.page_keys[1]
 
     def match(self, req) -> PrefixHit | None:
-        """The longest resumable prefix of a request about to start from its first token, or None."""
-        if not self.enabled or req.num_computed or req.handoff is not None:
+        """The longest resumable prefix of a request about to start from its first token, or None (also for a
+        request that asks for prompt logprobs: those of cached tokens are not kept)."""
+        if (not self.enabled or req.num_computed or req.handoff is not None
+                or req.sampling_params.prompt_logprobs is not None):
             return None
         keys = self.keys(req)
         pages = self.pages.lookup(keys)

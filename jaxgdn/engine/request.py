@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from .logprobs import MAX_LOGPROBS, Logprob, entry_dict
+
 
 class RowKind(enum.IntEnum):
     """What one request's slice of a step is. Computed once, on the host, from request state; the same
@@ -49,6 +51,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # each sampled token's logprob and the top `logprobs` (logprobs.py)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -65,6 +69,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
         if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n}")
 
     @property
     def seed_words(self) -> tuple[int, int]:
@@ -150,6 +158,9 @@ class Request:
     device_stops: tuple = ()  # the stop tokens the device checks (step_layout.StopTable, at its first row)
     copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
     num_cached_tokens: int | None = None
+    # logprobs.Scores.entry of each output token, and of each prompt token (None at position 0) as computed
+    sampled_logprobs: list = dataclasses.field(default_factory=list, repr=False)
+    prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None], repr=False)
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -194,13 +205,16 @@ class Request:
     def output(self, decode=None) -> "RequestOutput":
         """What the request produced so far (async scheduling's placeholders left out); decode(ids) -> text."""
         tokens = [t for t in self.output_token_ids if t != PLACEHOLDER_TOKEN]
-        m = self.metrics
+        m, sp = self.metrics, self.sampling_params
+        text = decode if self.error is None else None
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=tokens,
             text=decode(tokens) if (decode and self.error is None) else None, finish_reason=self.finish_reason,
             error=self.error, ttft=m.ttft, tpot=m.tpot(len(tokens)), num_preemptions=m.num_preemptions,
             num_drafted=m.num_drafted, num_accepted_drafts=m.num_accepted_drafts,
-            num_cached_tokens=self.num_cached_tokens or 0)
+            num_cached_tokens=self.num_cached_tokens or 0,
+            logprobs=None if sp.logprobs is None else [entry_dict(e, text) for e in self.sampled_logprobs[: len(tokens)]],
+            prompt_logprobs=None if sp.prompt_logprobs is None else [entry_dict(e, text) for e in self.prompt_logprobs])
 
     @property
     def num_outputs_lower_bound(self) -> int:
@@ -223,3 +237,7 @@ class RequestOutput:
     num_drafted: int = 0  # drafts verified for this request
     num_accepted_drafts: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) when it started
+    # with SamplingParams.logprobs: per output token {token id: Logprob} (the sampled token and the top ones)
+    logprobs: list[dict[int, Logprob]] | None = None
+    # with SamplingParams.prompt_logprobs: the same per prompt token, None at position 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -21,6 +21,7 @@ from ..model.config import ModelConfig
 from ..model.params import ModelParams
 from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .device_step import packed_step
+from .logprobs import Sampler, Scores, packed_size
 from .program_cache import ProgramCache
 from .state import EngineState
 from .step_layout import StepArrays, pack_step_arrays
@@ -74,7 +75,7 @@ class LaunchArgs(NamedTuple):
 
     host_buf: np.ndarray
     layout: tuple
-    stochastic: bool
+    sampler: int
     num_steps: int
     width: int
 
@@ -177,7 +178,7 @@ class ModelRunner:
         self.policy = policy
         self._settings = [(*self._static, library, self.mesh) for library in (False, True)]
         self._step, self._library_step = (_jitted_step(self, *settings) for settings in self._settings)
-        self._programs: dict[tuple, Any] = {}  # (layout, stochastic, num_steps, width) -> compiled program
+        self._programs: dict[tuple, Any] = {}  # (layout, sampler, num_steps, width) -> compiled program
         self._signature = None  # the weights' and state's shapes and device (set at the first compile)
         self.num_compiles = 0
         self.compiles_after_startup = 0
@@ -195,17 +196,17 @@ class ModelRunner:
 
     @property
     def program_keys(self) -> list[tuple]:
-        """(layout, stochastic, num_steps, width) of every compiled program."""
+        """(layout, sampler, num_steps, width) of every compiled program."""
         return list(self._programs)
 
-    def lower(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0, state=None):
+    def lower(self, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0, state=None):
         """The lowered step program of a packed layout and static setting (on `state`, default the runner's;
         shapes are all that matter)."""
         size = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout)
         buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.buffer_sharding)  # noqa: E731
         state = self.state if state is None else state
-        return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, stochastic, num_steps,
-                                          width)
+        return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, int(sampler),
+                                          num_steps, width)
 
     def _signature_of(self, state) -> tuple:
         """What a program's arguments look like: the weights' and state's tree and shapes, the devices."""
@@ -241,21 +242,21 @@ class ModelRunner:
         self.num_compiles += 1
         self.compiles_after_startup += self.started
 
-    def compiled(self, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
+    def compiled(self, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0):
         """The compiled program of a launch, compiling it now if it is new (counted after start-up)."""
-        key = (layout, stochastic, num_steps, width)
+        key = (layout, int(sampler), num_steps, width)
         program = self._cached(key)
         if program is None:
             program = self._build(key)
             self._store(key, program)
         return program
 
-    def compile_on(self, layout: tuple, stochastic: bool, state) -> Any:
+    def compile_on(self, layout: tuple, sampler: int, state) -> Any:
         """A ragged program compiled for another state's shapes (memory planning), through the program cache."""
-        return self._build((layout, stochastic, 1, 0), state)
+        return self._build((layout, int(sampler), 1, 0), state)
 
     def precompile(self, keys: list[tuple], on_compiled=None, workers: int | None = None) -> None:
-        """Compile the programs of keys ((layout, stochastic, num_steps, width), ...) not compiled yet:
+        """Compile the programs of keys ((layout, sampler, num_steps, width), ...) not compiled yet:
         lowered one at a time here, compiled on a pool of threads (XLA compiles outside the GIL).
         on_compiled(): called after each (and for each found compiled already)."""
         todo = []
@@ -310,13 +311,13 @@ class ModelRunner:
         done (benchmarks)."""
         if self.last_device_args is None:
             raise RuntimeError("time_device_step needs one step run first")
-        host_buf, layout, stochastic, num_steps, width = self.last_device_args
+        host_buf, layout, sampler, num_steps, width = self.last_device_args
         fixed = None if fresh_input else self.put(host_buf)
 
         def run(n):
             for _ in range(n):
                 step_input = self.put(host_buf) if fresh_input else fixed
-                flat = self._launch(step_input, layout, stochastic, num_steps, width)
+                flat = self._launch(step_input, layout, sampler, num_steps, width)
             jax.block_until_ready(flat)
 
         run(2)
@@ -324,10 +325,10 @@ class ModelRunner:
         run(iters)
         return (time.perf_counter() - t0) / (iters * num_steps) * 1e3
 
-    def _launch(self, step_input, layout: tuple, stochastic: bool, num_steps: int = 1, width: int = 0):
+    def _launch(self, step_input, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0):
         """Launch the compiled step on a device input (int32[n]) with this size's resident buffer, which
         the step donates and returns; self.state advances. Returns the step's flat result buffer."""
-        program = self.compiled(layout, stochastic, num_steps, width)
+        program = self.compiled(layout, sampler, num_steps, width)
         size = step_input.shape[0]
         resident = self._resident_inputs.pop(size, None)
         while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
@@ -344,22 +345,27 @@ class ModelRunner:
             return jax.device_put(host_buf, self.buffer_sharding)
         return jax.make_array_from_callback(host_buf.shape, self.buffer_sharding, lambda index: host_buf[index])
 
-    def dispatch(self, arrays: StepArrays, num_steps: int = 1, width: int = 0) -> "PendingStep":
+    def dispatch(self, arrays: StepArrays, num_steps: int = 1, width: int = 0,
+                 sampler: int = Sampler.GREEDY) -> "PendingStep":
         """Copy the step's arrays to the device and launch its program without waiting for it.
-        num_steps > 1: that many steps of a uniform program (width > 0) in the one launch (see device_step.packed_step)."""
-        stochastic = bool(np.any((arrays.temperature > 0) & arrays.samples))
+        num_steps > 1: that many steps of a uniform program (width > 0) in the one launch (see device_step.packed_step).
+        sampler: at least this program variant (the rows' logprobs); SAMPLE where a row has temperature > 0."""
+        if np.any((arrays.temperature > 0) & arrays.samples):
+            sampler = max(sampler, Sampler.SAMPLE)
+        sampler = int(sampler)
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = self.put(host_buf)
-        self.last_device_args = LaunchArgs(host_buf, layout, stochastic, num_steps, width)
+        self.last_device_args = LaunchArgs(host_buf, layout, sampler, num_steps, width)
         t1 = time.perf_counter()
-        flat = self._launch(step_input, layout, stochastic, num_steps, width)
+        flat = self._launch(step_input, layout, sampler, num_steps, width)
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
         # instead of starting the copy and waiting for it.
         flat.copy_to_host_async()
         self.timings["transfer"] += t1 - t0
         self.timings["dispatch"] += time.perf_counter() - t1
-        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1], num_steps)
+        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1], num_steps, sampler,
+                           arrays.input_ids.shape[0])
 
     def fetch(self, pending: "PendingStep") -> list["StepResult"]:
         """Wait for a dispatched launch and copy its results to the host (one transfer): one StepResult
@@ -367,11 +373,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         flat = to_host(pending.flat)
         self.timings["wait"] += time.perf_counter() - t0
-        R, K = pending.num_rows, pending.num_drafts
+        R, K, T = pending.num_rows, pending.num_drafts, pending.num_tokens
+        W = 1 + K
         results = []
         for step in np.split(flat, pending.num_steps):
-            tokens, num_sampled, drafts, ids = np.split(step, np.cumsum([R * (1 + K), R, R * K]))
-            results.append(StepResult(tokens.reshape(R, 1 + K), num_sampled, drafts.reshape(R, K), ids))
+            tokens, num_sampled, drafts, ids, sampled, stream = np.split(
+                step, np.cumsum([R * W, R, R * K, T, packed_size(R * W) if pending.sampler >= Sampler.LOGPROBS else 0]))
+            results.append(StepResult(
+                tokens.reshape(R, W), num_sampled, drafts.reshape(R, K), ids,
+                Scores.unpack(sampled, R * W) if sampled.size else None,
+                Scores.unpack(stream, T) if stream.size else None))
         return results
 
     def run(self, arrays: StepArrays, width: int = 0) -> "StepResult":
@@ -387,10 +398,12 @@ def to_host(x) -> np.ndarray:
 
 @dataclasses.dataclass
 class PendingStep:
-    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids] per model step
+    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] per model step
     num_rows: int
     num_drafts: int
     num_steps: int = 1
+    sampler: int = Sampler.GREEDY
+    num_tokens: int = 0  # T
 
 
 @dataclasses.dataclass
@@ -399,3 +412,5 @@ class StepResult:
     num_sampled: np.ndarray  # [R] 0 for rows that do not sample
     drafts: np.ndarray  # [R, K] MTP drafts for the next step
     input_ids: np.ndarray  # [T] the assembled tokens the model consumed
+    sampled_scores: Scores | None = None  # of tokens [R*(1+K)] (row-major), with sampler >= LOGPROBS
+    stream_scores: Scores | None = None  # of each of the T tokens' successors, with PROMPT_LOGPROBS

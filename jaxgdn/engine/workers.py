@@ -66,6 +66,8 @@ class DecodeWorker(_Worker):
         rid = self.add_request(list(handoff.prompt_token_ids), handoff.sampling_params, error=self.check(handoff))
         req = self.requests[rid]
         req.num_cached_tokens = handoff.num_cached_tokens
+        if handoff.prompt_logprobs is not None:
+            req.prompt_logprobs = list(handoff.prompt_logprobs)
         if req.error is None and handoff.num_computed:
             req.num_computed = handoff.num_computed
             req.handoff = handoff

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an AsyncEngine.
 
 Endpoints: /v1/completions and /v1/chat/completions (stream=true: server-sent events), /v1/models, /health,
-/metrics (Prometheus text). A prefill role serves /v1/prefill instead of the OpenAI endpoints: a prompt in,
-its Handoff's bytes out. A decode role given a prefill URL fetches each prompt's Handoff from there, so it
+/metrics (Prometheus text), /tokenize, /detokenize, /tokenizer_info (vLLM's). A prefill role serves /v1/prefill
+instead of the OpenAI endpoints: a prompt in, its Handoff's bytes out. A decode role given a prefill URL fetches each prompt's Handoff from there, so it
 serves the one OpenAI endpoint of a PD deployment (as vLLM's disaggregated proxy does).
 """
 
@@ -28,8 +28,10 @@ from ..model.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDead, EngineFull, RequestTimedOut
 from .inputs import BodyLimit, check_text_fits, default_max_request_bytes, encode_text, prompt_ids
 from .metrics import prometheus_text
+from .openai_logprobs import CompletionLogprobs, choice_chat_logprobs, choice_completion_logprobs, prompt_logprobs_json
 from .protocol import BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_body
 from .text import TextStream, render_chat
+from .tokenize_routes import add_tokenizer_routes
 
 logger = logging.getLogger("jaxgdn.serve")
 
@@ -74,6 +76,11 @@ class _Choice:
     error: str | None = None
     handoff: Handoff | None = None  # a request pushed to a decode role prefilled
     cached_tokens: int = 0  # of its prompt, found in the prefix cache
+    echo: bool = False  # /v1/completions' echo: the prompt's text (and logprobs) come first
+    score_only: bool = False  # max_tokens 0 with echo: nothing generated is kept
+    entries: list = dataclasses.field(default_factory=list)  # logprobs' raw entries, one per token of token_ids
+    prompt_entries: list | None = None  # prompt logprobs' raw entries (None at position 0)
+    completion_logprobs: CompletionLogprobs | None = None  # a stream's, keeping the text offset between chunks
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -125,6 +132,8 @@ def build_app(state: ServerState) -> FastAPI:
         ecfg = state.front.validator.ecfg
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "jaxgdn", "max_model_len": ecfg.max_model_len}]}
+
+    add_tokenizer_routes(app, state)
 
     if state.role == "prefill":
         @app.post("/v1/prefill")
@@ -217,7 +226,8 @@ def _choices(state: ServerState, body: SamplingFields, prompts: list[list[int]],
         for j in range(body.n):
             sp = body.sampling_params(j, min(default_max_tokens or room, room))
             _check(state, ids, sp)
-            choices.append(_Choice(p * body.n + j, ids, sp, TextStream(decode, body.stop_strings)))
+            choices.append(_Choice(p * body.n + j, ids, sp, TextStream(decode, body.stop_strings),
+                                   echo=bool(getattr(body, "echo", False)), score_only=body.scores_prompt_only))
     return choices
 
 
@@ -259,7 +269,15 @@ async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
     gen = _generate(state, c.prompt_ids, c.params, c.handoff)
     try:
         async for delta in gen:
+            if delta.prompt_logprobs is not None:
+                c.prompt_entries = delta.prompt_logprobs
+            if c.score_only:  # the prompt was scored with its first token; that token is not kept
+                c.finish_reason, c.error = ("error", delta.error) if delta.finish_reason == "error" else ("length", None)
+                if on_text is not None:
+                    on_text(c, "", [], [])
+                break
             c.token_ids += delta.token_ids
+            c.entries += delta.logprobs or []
             c.cached_tokens = max(c.cached_tokens, delta.num_cached_tokens)
             text = c.text.add(delta.token_ids, final=delta.finished)
             if c.text.stopped:
@@ -268,7 +286,7 @@ async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:
                 c.finish_reason, c.error = delta.finish_reason, delta.error
             if text or delta.token_ids or c.finish_reason:
                 if on_text is not None:
-                    on_text(c, text, delta.token_ids)
+                    on_text(c, text, delta.token_ids, delta.logprobs or [])
             if c.finish_reason:
                 break
     finally:
@@ -313,8 +331,12 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
             item = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
             if chat:
                 item["message"] = {"role": "assistant", "content": c.text.text}
+                item["logprobs"] = choice_chat_logprobs(_decode(state), c, c.token_ids, c.entries)
             else:
-                item |= {"text": c.text.text, "logprobs": None}
+                item |= {"text": _echo_text(state, c) + c.text.text,
+                         "logprobs": choice_completion_logprobs(_decode(state), c, c.token_ids, c.entries, first=True)}
+            if c.prompt_entries is not None and not c.echo:
+                item["prompt_logprobs"] = prompt_logprobs_json(_decode(state), c.prompt_entries)
             out.append(item)
         return {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": out,
                 "usage": _usage(choices)}
@@ -326,21 +348,23 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
         raise BadRequest("the server is full; try again later", status=429, kind="rate_limit_error")
     queue: asyncio.Queue = asyncio.Queue()  # (choice, text or the BadRequest that ends the stream, ids, reason)
 
-    def on_text(c: _Choice, text: str, token_ids: list[int]):
-        queue.put_nowait((c, text, token_ids, c.finish_reason))
+    def on_text(c: _Choice, text: str, token_ids: list[int], entries: list):
+        queue.put_nowait((c, text, token_ids, c.finish_reason, entries))
 
     async def run(c: _Choice):
         try:
             await _run_choice(state, c, on_text)
         except BadRequest as e:  # the stream ends with an error event (what OpenAI's clients raise on)
-            queue.put_nowait((c, e, [], None))
+            queue.put_nowait((c, e, [], None, []))
 
-    def chunk(c: _Choice, text: str, token_ids: list[int], finish_reason: str | None, first: bool) -> str:
+    def chunk(c: _Choice, text: str, token_ids: list[int], finish_reason: str | None, first: bool,
+              entries: list) -> str:
         if chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text})
-            item = {"index": c.index, "delta": delta}
+            item = {"index": c.index, "delta": delta, "logprobs": choice_chat_logprobs(_decode(state), c, token_ids, entries)}
         else:
-            item = {"index": c.index, "text": text, "logprobs": None}
+            item = {"index": c.index, "text": (_echo_text(state, c) if first else "") + text,
+                    "logprobs": choice_completion_logprobs(_decode(state), c, token_ids, entries, first)}
         item |= {"finish_reason": finish_reason, "token_ids": token_ids}
         if finish_reason and c.error:
             item["error"] = c.error
@@ -358,12 +382,12 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
                 while not queue.empty():  # everything that is ready goes out in one write
                     items.append(queue.get_nowait())
                 out = []
-                for c, text, token_ids, finish_reason in items:
+                for c, text, token_ids, finish_reason, entries in items:
                     if isinstance(text, BadRequest):
                         out.append(f"data: {json.dumps(error_body(str(text), text.kind, text.param, str(text.status)))}\n\n")
                         left = 0
                         break
-                    out.append(chunk(c, text, token_ids, finish_reason, c.index not in started))
+                    out.append(chunk(c, text, token_ids, finish_reason, c.index not in started, entries))
                     started.add(c.index)
                     left -= finish_reason is not None
                 yield "".join(out)
@@ -376,6 +400,15 @@ async def _respond(state: ServerState, body: SamplingFields, choices: list[_Choi
             _cancel(tasks)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _decode(state: ServerState):
+    """One token's (or a prompt's) text; empty without a tokenizer."""
+    return state.tokenizer.decode if state.tokenizer else (lambda ids: "")  # noqa: E731
+
+
+def _echo_text(state: ServerState, c: _Choice) -> str:
+    return _decode(state)(c.prompt_ids) if c.echo else ""
 
 
 def _cancel(tasks: list[asyncio.Task]) -> None:

@@ -39,6 +39,8 @@ class Delta:
     handoff: Handoff | None = None
     output: RequestOutput | None = None
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
+    logprobs: list | None = None  # with SamplingParams.logprobs: the raw entry of each of token_ids (logprobs.py)
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: the prompt's, in the first delta
 
     @property
     def finished(self) -> bool:
@@ -46,8 +48,11 @@ class Delta:
 
     def then(self, later: "Delta") -> "Delta":
         """This delta followed by a later one of the same request, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else (
+            (self.logprobs or []) + (later.logprobs or []))
         return Delta(self.token_ids + later.token_ids, later.finish_reason, later.error, later.handoff, later.output,
-                     max(self.num_cached_tokens, later.num_cached_tokens))
+                     max(self.num_cached_tokens, later.num_cached_tokens), logprobs,
+                     self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 class RequestTimedOut(RuntimeError):
@@ -273,7 +278,7 @@ class AsyncEngine:
             out, end = req.output_token_ids, s.sent
             while end < len(out) and out[end] != PLACEHOLDER_TOKEN:  # async: values still on the device
                 end += 1
-            new = out[s.sent:end]
+            new, scores = out[s.sent:end], _scores(req, s.sent, end)
             s.sent = end
             produced += len(new)
             if req.finish_reason is not None:
@@ -282,9 +287,9 @@ class AsyncEngine:
                 s.engine.forget(s.rid)
                 self._finished(req.finish_reason)
                 self._safe_sink(s, Delta(new, req.finish_reason, error=req.error, output=output,
-                                         num_cached_tokens=output.num_cached_tokens), batches)
+                                         num_cached_tokens=output.num_cached_tokens, **scores), batches)
             elif new:
-                self._safe_sink(s, Delta(new, num_cached_tokens=req.num_cached_tokens or 0), batches)
+                self._safe_sink(s, Delta(new, num_cached_tokens=req.num_cached_tokens or 0, **scores), batches)
         for loop, items in batches.items():
             _call_on(loop, _fill_queues, items)
         if self.on_emit is not None:
@@ -320,7 +325,7 @@ class AsyncEngine:
         for e in self.engines:
             usage.update(e.usage())
         main = self.engine or self.prefill
-        spec = main.spec_metrics()
+        spec = main.spec_counters.metrics()
         self.snapshot = {
             **usage, **self.counters,
             "generation_tokens_per_s": sum(n for _, n in self._recent) / window,
@@ -357,6 +362,18 @@ async def stream_deltas(deltas: asyncio.Queue, abort: Callable[[], None], timeou
     finally:
         if not finished:
             abort()
+
+
+def _scores(req, start: int, end: int) -> dict:
+    """Delta's logprobs fields for output tokens [start, end) of a request: their entries, and with the first
+    delta the prompt's."""
+    sp = req.sampling_params
+    out = {}
+    if sp.logprobs is not None:
+        out["logprobs"] = req.sampled_logprobs[start:end]
+    if sp.prompt_logprobs is not None and start == 0:
+        out["prompt_logprobs"] = req.prompt_logprobs
+    return out
 
 
 def _fill_queues(items: list[tuple[asyncio.Queue, Delta]]) -> None:

@@ -64,7 +64,8 @@ def _engine_main(conn, model: str, config: EngineConfig, log_level: str) -> None
     def sink(handle: int):
         def put(delta: Delta) -> None:
             with lock:
-                outbox.append((handle, delta.token_ids, delta.finish_reason, delta.error, delta.num_cached_tokens))
+                outbox.append((handle, delta.token_ids, delta.finish_reason, delta.error, delta.num_cached_tokens,
+                               delta.logprobs, delta.prompt_logprobs))
             if delta.finished:
                 handles.pop(handle, None)
         return put
@@ -204,10 +205,11 @@ class EngineClient:
                 return
             _, batch, self.snapshot, alive, error = message
             batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for handle, token_ids, finish_reason, err, cached in batch:
+            for handle, token_ids, finish_reason, err, cached, logprobs, prompt_logprobs in batch:
                 stream = self._streams.pop(handle, None) if finish_reason else self._streams.get(handle)
                 if stream is not None:
-                    delta = Delta(token_ids, finish_reason, error=err, num_cached_tokens=cached)
+                    delta = Delta(token_ids, finish_reason, error=err, num_cached_tokens=cached, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs)
                     batches.setdefault(stream[0], []).append((stream[1], delta))
             for loop, items in batches.items():
                 _call_on(loop, _fill_queues, items)
