@@ -95,9 +95,10 @@ def choice_loglikelihoods(llm, problems: list[task.Problem]) -> list[list[float]
     encode = llm.tokenizer.encode
     prompts, spans = [], []
     for p in problems:
+        context = len(encode(p.prompt()))
         for choice in task.multiple_choice(p)[0]:
             prompts.append(encode(p.prompt() + " " + choice))
-            spans.append(len(encode(p.prompt())))
+            spans.append(context)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     scores = [sum(e[t].logprob for t, e in zip(o.prompt_token_ids[n:], o.prompt_logprobs[n:]))
               for o, n in zip(outs, spans)]
@@ -222,6 +223,9 @@ def parse_args(argv=None):
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                     help="split each engine over N devices (EngineConfig.tensor_parallel_size; default 1)")
     ap.add_argument("--out", help="JSON path for the results (default with --configs: bench/results/eval_<backend>_<date>.json)")
+    ap.add_argument("--multiple-choice", action="store_true",
+                    help="the task's multiple-choice form scored by loglikelihood (lm-eval's jaxgdn_arith_mc) instead; "
+                         "writes bench/results/eval-mc_<backend>_<date>.json")
     ap.add_argument("--show", type=int, default=0, help="print the first N completions of each configuration")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap.parse_args(argv)
@@ -243,6 +247,8 @@ def main(argv=None) -> int:
     if not problems:
         print("jaxgdn.eval: no problems to evaluate", file=sys.stderr)
         return 2
+    if args.multiple_choice:
+        return _multiple_choice_main(args, str(model), problems)
     shots = tuple((p.question, p.solution) for p in task.take("train", args.num_shots)) if args.num_shots else ()
     prompts = [task.format_prompt(p.question, shots) for p in problems]
     answers = [p.answer for p in problems]
@@ -272,6 +278,21 @@ def main(argv=None) -> int:
     print(format_table(results))
     if args.configs or args.out:
         print(f"wrote {path}")
+    return 0
+
+
+def _multiple_choice_main(args, model: str, problems: list[task.Problem]) -> int:
+    from .llm import LLM
+    from .results import environment, write_result
+
+    with LLM(model, engine_config(ServeConfig("multiple-choice"), args)) as llm:
+        accuracy = multiple_choice_accuracy(llm, problems)
+    print(f"jaxgdn.eval: multiple-choice accuracy {accuracy:.3f} on {len(problems)} problems (chance 0.25)")
+    payload = {"benchmark": "eval-mc", "env": environment(os.environ.get("XLA_FLAGS", "")), "model": model,
+               "data": args.data or f"task:{args.split}", "num_problems": len(problems), "dtype": args.dtype,
+               "note": "task.multiple_choice scored by prompt logprobs as lm-eval's loglikelihood (acc)",
+               "accuracy": accuracy}
+    print(f"wrote {write_result('eval-mc', payload, Path(args.out) if args.out else None)}")
     return 0
 
 

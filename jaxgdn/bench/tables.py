@@ -167,6 +167,12 @@ def eval_table(d: dict) -> list[str]:
                              _fmt(r["acceptance_rate"]), f"{r['tokens_per_s']:.0f}"])
 
 
+def eval_mc_table(d: dict) -> list[str]:
+    """`python -m jaxgdn.eval --multiple-choice`: the task's multiple-choice form scored by loglikelihood."""
+    return _table(["data", "problems", "dtype", "accuracy (chance 0.25)"], [d],
+                  lambda r: [r["data"], str(r["num_problems"]), r["dtype"], f"{r['accuracy']:.3f}"])
+
+
 def comm_table(d: dict) -> list[str]:
     """`bench comm`: the collectives of one tensor-parallel decode step, from its lowered program."""
     return _table(["preset", "TP", "batch", "sampling", "all-reduces", "all-reduce MB", "all-gathers", "all-gather MB"],
@@ -182,7 +188,8 @@ def startup_table(d: dict) -> list[str]:
 
 
 TABLES = {"serve": serve_table, "startup": startup_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
-          "kernels": kernels_table, "pd": pd_table, "eval": eval_table, "comm": comm_table}
+          "kernels": kernels_table, "pd": pd_table, "eval": eval_table, "eval-mc": eval_mc_table,
+          "comm": comm_table}
 
 
 def benchmark_of(d: dict, path: Path) -> str:

@@ -126,16 +126,16 @@ def launch_sampler(rows) -> Sampler:
     sampler = Sampler.GREEDY
     for row in rows:
         req = row.request
-        if req.sampling_params.prompt_logprobs is not None and req.num_computed < len(full_prompt(req)) - 1:
+        if req.sampling_params.prompt_logprobs is not None and req.num_computed < prompt_length(req) - 1:
             return Sampler.PROMPT_LOGPROBS
         if row.samples and req.sampling_params.logprobs is not None:
             sampler = Sampler.LOGPROBS
     return sampler
 
 
-def full_prompt(req) -> list[int]:
-    """The request's whole prompt (a PD prefill worker's request holds all but its last token)."""
-    return req.prompt_token_ids + [req.next_prompt_token] if req.prefill_only else req.prompt_token_ids
+def prompt_length(req) -> int:
+    """The request's whole prompt's length (a PD prefill worker's request holds all but its last token)."""
+    return len(req.prompt_token_ids) + req.prefill_only
 
 
 def record_prompt(req, scores: Scores | None, first: int, start: int, n: int) -> None:
@@ -144,9 +144,8 @@ def record_prompt(req, scores: Scores | None, first: int, start: int, n: int) ->
     num_top = req.sampling_params.prompt_logprobs
     if num_top is None or scores is None:
         return
-    prompt = full_prompt(req)
-    for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(prompt) - 1)):
-        req.prompt_logprobs.append(scores.entry(first + p - start, prompt[p + 1], num_top))
+    for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, prompt_length(req) - 1)):
+        req.prompt_logprobs.append(scores.entry(first + p - start, req.token_after(p + 1), num_top))
 
 
 def record_sampled(req, scores: Scores | None, index: int, token: int) -> None:

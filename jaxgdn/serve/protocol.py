@@ -80,6 +80,7 @@ class SamplingFields(BaseModel):
     def sampling_params(self, index: int, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters for choice number `index` of n (a seeded request's choices get seed + index,
         so they differ yet reproduce)."""
+        logprobs, prompt_logprobs = self.logprob_counts()
         sp = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -88,8 +89,8 @@ class SamplingFields(BaseModel):
             seed=None if self.seed is None else (self.seed + index) % 2**64,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            logprobs=self.logprob_counts()[0],
-            prompt_logprobs=self.logprob_counts()[1],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             sp.validate()
