@@ -7,7 +7,7 @@ from helpers import hf_causal_lm, hf_logits, run_staggered, shipped_model, small
 
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
-from jaxgdn.engine.logprobs import Logprob, Sampler, launch_sampler
+from jaxgdn.engine.logprobs import Logprob, Sampler, launch_sampler, top_k_blocked
 from jaxgdn.engine.request import SamplingParams
 from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 from jaxgdn.model.params import init_random_params
@@ -126,9 +126,22 @@ def test_the_launch_picks_the_least_program_variant():
     prompt_lp = SamplingParams(temperature=0, prompt_logprobs=1)
     assert launch_sampler([Row(plain, 0)]) == Sampler.GREEDY
     assert launch_sampler([Row(plain, 0), Row(lp, 3)]) == Sampler.LOGPROBS
+    assert not Sampler.LOGPROBS & Sampler.SAMPLE  # a greedy launch that scores keeps the argmax path
     assert launch_sampler([Row(lp, 3, samples=False)]) == Sampler.GREEDY
     assert launch_sampler([Row(prompt_lp, 6, samples=False)]) == Sampler.PROMPT_LOGPROBS
     assert launch_sampler([Row(prompt_lp, 7)]) == Sampler.GREEDY  # its prompt's last token: nothing to score
+
+
+@pytest.mark.parametrize("vocab, k", [(1000, 20), (1024, 5), (37, 20), (300, 3)])
+def test_blocked_top_k_equals_top_k(vocab, k):
+    import jax
+
+    x = np.random.default_rng(vocab).standard_normal((6, vocab)).astype(np.float32)
+    x[0, ::2] = -np.inf  # a row with masked entries
+    values, ids = top_k_blocked(x, k, block=16)
+    want_values, want_ids = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(ids, want_ids)
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 1.5)])

@@ -29,7 +29,7 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     """The jitted entry: copy the step's input into its resident buffer, unpack it, run the step, and pack
     the results into one int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] for a
     single device-to-host copy. Returns (state, flat, resident). scores (logprobs.pack): with
-    sampler >= LOGPROBS those of the R*(1+K) sampled tokens, then with PROMPT_LOGPROBS those of the T tokens'
+    sampler & LOGPROBS those of the R*(1+K) sampled tokens, then with STREAM those of the T tokens'
     successors.
 
     host_input: int32[n], this step's packed arrays, a new device buffer every step. resident: int32[n + 1],
@@ -37,8 +37,8 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     buffers; reading the input from resident keeps every kernel but the first copy at fixed addresses, so
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
-    sampler (static, logprobs.Sampler): GREEDY, or SAMPLE (some row samples with temperature > 0), or that and
-    the scores above.
+    sampler (static, logprobs.Sampler flags): SAMPLE (some row samples with temperature > 0), and the scores
+    above.
     width (static): 0 for a ragged program; > 0 for a uniform one (every real row `width` tokens), whose
     token mixers view the stream as [R, width] (`forward.RowView`, the decode kernels).
     num_steps (static): > 1 runs that many model steps in one launch of a uniform program (every row a
@@ -125,7 +125,7 @@ def _step_meta(a: StepArrays) -> StepMeta:
 
 def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg: ModelConfig,
                  policy: KernelPolicy, reproduce_pd_mtp_bug: bool, sampler: int = Sampler.SAMPLE, width: int = 0):
-    stochastic = sampler >= Sampler.SAMPLE
+    stochastic = bool(sampler & Sampler.SAMPLE)
     K = state.draft_tokens.shape[1]
     W = 1 + K
     R = a.idx_mapping.shape[0]
@@ -151,7 +151,7 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     tok_at = logits_indices[rows]  # [R, W] flat token index of each logits row
     # Greedy programs need only the argmax, which tensor parallelism forms without gathering the logits.
     rows_hidden = hidden[tok_at]
-    if stochastic:
+    if stochastic or sampler & Sampler.LOGPROBS:
         logits, greedy = head_logits(params, rows_hidden, cfg.vocab_size, policy).astype(jnp.float32), None  # [R, W, V]
     else:
         logits, greedy = None, head_argmax(params, rows_hidden, cfg.vocab_size, policy)  # [R, W]
@@ -162,9 +162,9 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a.temperature, a.top_k, a.top_p, keys,
                                          stochastic, argmax=greedy, vocab_size=cfg.vocab_size)
     scores = []
-    if sampler >= Sampler.LOGPROBS:
+    if sampler & Sampler.LOGPROBS:
         scores.append(pack(score(logits.reshape(R * W, -1), tokens.reshape(-1))))
-    if sampler >= Sampler.PROMPT_LOGPROBS:
+    if sampler & Sampler.STREAM:
         targets = stream_targets(ids, a.token_row, a.next_token)
         scores.append(pack(score_stream(params, hidden, targets, cfg.vocab_size, policy)))
     samples = a.samples & real

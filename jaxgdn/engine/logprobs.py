@@ -21,13 +21,15 @@ MAX_LOGPROBS = 20  # top entries a request may ask for (vLLM's default max_logpr
 STREAM_CHUNK = 256  # tokens whose logits a prompt-logprobs program holds at once
 
 
-class Sampler(enum.IntEnum):
-    """The static variant of a step program, chosen per launch from its rows' requests."""
+class Sampler(enum.IntFlag):
+    """The static variant of a step program, chosen per launch from its rows' requests (flags: a greedy launch
+    that scores its tokens takes the argmax of its logits, not the sampling path's sort over the vocabulary)."""
 
     GREEDY = 0  # argmax only (no logits gathered under tensor parallelism)
     SAMPLE = 1  # some row samples with temperature > 0
-    LOGPROBS = 2  # also scores the sampled tokens
-    PROMPT_LOGPROBS = 3  # also scores every token's successor in the stream (prompt logprobs)
+    LOGPROBS = 2  # scores the sampled tokens
+    STREAM = 4  # scores every token's successor in the stream
+    PROMPT_LOGPROBS = LOGPROBS | STREAM
 
 
 def score(logits, targets, num_top: int = MAX_LOGPROBS):
@@ -36,8 +38,24 @@ def score(logits, targets, num_top: int = MAX_LOGPROBS):
     logz = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.clip(targets, 0, logits.shape[-1] - 1)[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logits > target[:, None], axis=-1)
-    top_values, top_ids = jax.lax.top_k(logits, num_top)
+    top_values, top_ids = top_k_blocked(logits, num_top)
     return target - logz, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_values - logz[:, None]
+
+
+def top_k_blocked(x, k: int, block: int = 128):
+    """lax.top_k over the last axis of x [N, V] in two rounds: the k blocks of `block` entries with the largest
+    maxima hold the k largest entries (any other block's maximum is below k of them), so the second round
+    picks among k * block entries. XLA's GPU top_k of a large k over a whole vocabulary sorts every row.
+    Returns (values [N, k], indices [N, k]) as lax.top_k, ties aside."""
+    N, V = x.shape
+    nb = -(-V // block)
+    if nb <= k:
+        return jax.lax.top_k(x, k)
+    padded = jnp.pad(x, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf).reshape(N, nb, block)
+    _, blocks = jax.lax.top_k(jnp.max(padded, axis=-1), k)  # [N, k]
+    candidates = jnp.take_along_axis(padded, blocks[:, :, None], axis=1).reshape(N, k * block)
+    values, j = jax.lax.top_k(candidates, k)
+    return values, jnp.take_along_axis(blocks, j // block, axis=1) * block + j % block
 
 
 def pack(scores) -> jax.Array:
@@ -122,7 +140,7 @@ def entry_dict(entry: tuple | None, decode=None) -> dict[int, Logprob] | None:
 
 def launch_sampler(rows) -> Sampler:
     """The least program variant a launch's rows need for their logprobs (GREEDY when none asks; the runner
-    raises it to SAMPLE for temperature rows)."""
+    adds SAMPLE for temperature rows)."""
     sampler = Sampler.GREEDY
     for row in rows:
         req = row.request

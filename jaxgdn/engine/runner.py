@@ -349,9 +349,9 @@ class ModelRunner:
                  sampler: int = Sampler.GREEDY) -> "PendingStep":
         """Copy the step's arrays to the device and launch its program without waiting for it.
         num_steps > 1: that many steps of a uniform program (width > 0) in the one launch (see device_step.packed_step).
-        sampler: at least this program variant (the rows' logprobs); SAMPLE where a row has temperature > 0."""
+        sampler: the program variant the rows' logprobs need; SAMPLE is added where a row has temperature > 0."""
         if np.any((arrays.temperature > 0) & arrays.samples):
-            sampler = max(sampler, Sampler.SAMPLE)
+            sampler |= Sampler.SAMPLE
         sampler = int(sampler)
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
@@ -378,7 +378,7 @@ class ModelRunner:
         results = []
         for step in np.split(flat, pending.num_steps):
             tokens, num_sampled, drafts, ids, sampled, stream = np.split(
-                step, np.cumsum([R * W, R, R * K, T, packed_size(R * W) if pending.sampler >= Sampler.LOGPROBS else 0]))
+                step, np.cumsum([R * W, R, R * K, T, packed_size(R * W) if pending.sampler & Sampler.LOGPROBS else 0]))
             results.append(StepResult(
                 tokens.reshape(R, W), num_sampled, drafts.reshape(R, K), ids,
                 Scores.unpack(sampled, R * W) if sampled.size else None,
@@ -412,5 +412,5 @@ class StepResult:
     num_sampled: np.ndarray  # [R] 0 for rows that do not sample
     drafts: np.ndarray  # [R, K] MTP drafts for the next step
     input_ids: np.ndarray  # [T] the assembled tokens the model consumed
-    sampled_scores: Scores | None = None  # of tokens [R*(1+K)] (row-major), with sampler >= LOGPROBS
+    sampled_scores: Scores | None = None  # of tokens [R*(1+K)] (row-major), with sampler & LOGPROBS
     stream_scores: Scores | None = None  # of each of the T tokens' successors, with PROMPT_LOGPROBS
