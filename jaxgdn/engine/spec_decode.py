@@ -1,11 +1,13 @@
-"""Verification of speculative drafts (rejection sampling), vectorised over rows.
+"""Verification of speculative drafts, vectorised over rows.
 
-A row with n drafts has n+1 logits rows: row i verifies draft i (i < n), row n gives the bonus token.
-Greedy (temperature 0): accept while draft_i == argmax_i, then emit the correction argmax or the bonus.
-Temperature (Leviathan et al.) with greedy (one-hot) drafts: accept draft_i with probability p_i(draft_i);
-on the first rejection sample from the residual p_i with draft_i removed; if all pass, sample the bonus
-from p_n. Drafts outside [0, V) (the -1 placeholders of a padded prompt tail) are never accepted.
-Randomness is keyed by (seed, request, position), as in sampling.py.
+A row with n drafts has n+1 logits rows: row i verifies draft i (i < n), row n gives the bonus token. Each
+logits row draws its token exactly as a step without drafts would at that position (the argmax at temperature
+0, else a draw from the filtered distribution keyed by (seed, request, position)); a draft is accepted while it
+equals the token drawn at its position, and the row emits the accepted drafts and the first token drawn after
+them. So a request's tokens are those it gets without MTP, greedy or seeded. With greedy (one-hot) drafts this is
+rejection sampling (Leviathan et al.): draft i is accepted with probability p_i(draft_i), and a rejected position
+emits a draw from p_i without the draft token. Drafts outside [0, V) (the -1 placeholders of a padded prompt
+tail) are never accepted.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .sampling import filtered_log_probs
-
-ACCEPT_SALT = 1  # folded into the position key for the accept test, so it is independent of the token draw
 
 
 def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool = True, *,
@@ -47,33 +47,18 @@ def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic
     if stochastic:
         t_rows = jnp.repeat(temperature, W)
         logp = filtered_log_probs(logits.reshape(R * W, V), t_rows, jnp.repeat(top_k, W), jnp.repeat(top_p, W))
-        logp = logp.reshape(R, W, V)
-        flat_keys = keys.reshape(-1)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat_keys).reshape(R, W, V)
-        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT)))(flat_keys).reshape(R, W)
-        plain = jnp.where(greedy, argmax, jnp.argmax(logp + gumbel, axis=-1))  # a token drawn from p_i
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys.reshape(-1))
+        drawn = jnp.argmax(logp + gumbel, axis=-1).reshape(R, W)
+        plain = jnp.where(greedy, argmax, drawn)  # the token each position draws without drafts
     else:
         plain = argmax
 
     if K == 0:
         return plain.astype(jnp.int32), jnp.ones((R,), jnp.int32)
     d = drafts  # [R, K]
-    d_valid = (d >= 0) & (d < V)
-    d_safe = jnp.clip(d, 0, V - 1)
-    if stochastic:
-        p_draft = jnp.exp(jnp.take_along_axis(logp[:, :K], d_safe[..., None], axis=-1)[..., 0])  # [R, K]
-        accept = jnp.where(greedy, d == argmax[:, :K], uniform[:, :K] < p_draft)
-        # Residual after rejecting draft i: p_i without the draft token (q is one-hot on it).
-        masked = jnp.where(jax.nn.one_hot(d_safe, V, dtype=bool) & d_valid[..., None], -jnp.inf, logp[:, :K])
-        recovered = jnp.where(greedy, argmax[:, :K], jnp.argmax(masked + gumbel[:, :K], axis=-1))
-    else:
-        accept = d == argmax[:, :K]
-        recovered = argmax[:, :K]
-    accept = accept & d_valid & (jnp.arange(K)[None, :] < n_draft[:, None])
+    accept = (d == plain[:, :K]) & (d >= 0) & (d < V) & (jnp.arange(K)[None, :] < n_draft[:, None])
     n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts
-    recovered = jnp.concatenate([recovered, plain[:, K:]], axis=1)  # [R, W]
-    final = jnp.where(n_acc < n_draft, jnp.take_along_axis(recovered, n_acc[:, None], 1)[:, 0],
-                      jnp.take_along_axis(plain, n_acc[:, None], 1)[:, 0])
+    final = jnp.take_along_axis(plain, n_acc[:, None], 1)[:, 0]  # the correction, or the bonus token
     i = jnp.arange(W)[None, :]
     d_ext = jnp.concatenate([d, jnp.zeros((R, 1), d.dtype)], axis=1)
     tokens = jnp.where(i < n_acc[:, None], d_ext, jnp.where(i == n_acc[:, None], final[:, None], -1))
