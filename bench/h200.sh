@@ -4,7 +4,7 @@
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
 #     -d gpu_wheels fastapi uvicorn httptools uvloop aiohttp             (the server and its benchmark client)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
-#                                     serve-http serve-prefix serve-logprobs serve-pd-mtp decode prefill spec kernels pd;
+#                                     serve-http serve-prefix serve-sampling serve-pd-mtp decode prefill spec kernels pd;
 #                                     on two GPUs (device kind
 #                                     nvidia-h200-x2), not in the default list: tp-9b tp-27b
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-prefix serve-logprobs serve-pd-mtp decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-prefix serve-sampling serve-pd-mtp decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -64,11 +64,13 @@ for step in $steps; do
         --output-len 64 256 $f --out "$dest/serve-multiturn_gpu_$stamp.json"
       timeout 150 python3 -m jaxgdn.bench serve --compare-prefix-caching $f \
         --out "$dest/serve-random-prefix-ab_gpu_$stamp.json" ;;
-    # the cost of logprobs: the random workload without and with logprobs=5 on every request, one cache
-    serve-logprobs)
-      f="--no-peer --cache-dir /tmp/jaxgdn-logprobs-cache --num-prompts 1000 --input-len 256 1024 --output-len 32 512"
-      timeout 280 python3 -m jaxgdn.bench serve $f --out "$dest/serve-logprobs-off_gpu_$stamp.json"
-      timeout 280 python3 -m jaxgdn.bench serve $f --logprobs 5 --out "$dest/serve-logprobs-5_gpu_$stamp.json" ;;
+    # the cost of the sampling API: the random workload plain, with logprobs=5 and with a JSON schema on every
+    # request, one cache
+    serve-sampling)
+      f="--no-peer --cache-dir /tmp/jaxgdn-sampling-cache --num-prompts 1000 --input-len 256 1024 --output-len 32 512"
+      timeout 190 python3 -m jaxgdn.bench serve $f --out "$dest/serve-sampling-off_gpu_$stamp.json"
+      timeout 170 python3 -m jaxgdn.bench serve $f --logprobs 5 --out "$dest/serve-logprobs-5_gpu_$stamp.json"
+      timeout 220 python3 -m jaxgdn.bench serve $f --json-schema --out "$dest/serve-json-schema_gpu_$stamp.json" ;;
     # PD + MTP K = 2 at the default configuration, both workers on the one GPU
     serve-pd-mtp) timeout 500 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
       --num-speculative-tokens 2 --no-peer --out "$dest/serve-pd-mtp_gpu_$stamp.json" ;;

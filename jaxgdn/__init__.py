@@ -12,11 +12,13 @@ if not _logger.handlers:  # start-up lines (programs compiled, memory planned) r
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
+from .engine.structured import StructuredOutputsParams
 from .llm import LLM
 from .model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .model.config import ConfigError, ModelConfig, qwen35_0_8b
 
 __all__ = [
     "CheckpointError", "ConfigError", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams",
+    "StructuredOutputsParams",
     "load_checkpoint", "qwen35_0_8b", "save_checkpoint",
 ]

@@ -15,6 +15,7 @@ from .engine.compile_times import CompileTimes, startup_line
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
+from .engine.structured import Grammars
 from .engine.tensor_parallel import make_mesh
 from .engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
 from .model.checkpoint import load_checkpoint
@@ -88,6 +89,10 @@ class LLM:
             self.engine = LLMEngine(params, self.model_config, self.config,
                                     garbage_seed=garbage_seed, decode=decode)
         plan_times.__exit__()
+        if self.tokenizer is not None:  # structured output's grammars over the tokenizer's vocabulary
+            grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            for e in self.engines:
+                e.grammars = grammars
         self.startup |= {"plan_s": time.perf_counter() - t1, "plan": plan_times.summary()}
         for e in self.engines:
             logger.info(e.memory.describe(self.config))

@@ -8,6 +8,7 @@ import json
 import logging
 import queue
 import random
+import re
 import threading
 import time
 import warnings
@@ -22,6 +23,7 @@ from openai import AsyncOpenAI, OpenAI
 from jaxgdn import task
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
+from jaxgdn.engine.structured import StructuredOutputsParams
 from jaxgdn.generate import default_checkpoint
 from jaxgdn.llm import LLM
 from jaxgdn.serve.async_engine import AsyncEngine, EngineDead
@@ -184,6 +186,47 @@ def test_lm_eval_loglikelihood_task_through_the_server_scores_as_llm_does(server
     assert accuracy == jeval.multiple_choice_accuracy(reference, PROBLEMS[:n]) and accuracy > 0.6  # chance: 0.25
 
 
+def test_structured_output_through_the_openai_client(server, reference):
+    import jsonschema
+
+    url, state = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["apples", "pears"]}},
+              "required": ["answer", "unit"], "additionalProperties": False}
+    question = PROBLEMS[0].question
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    assert chat.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt=question, max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"structured_outputs": {"json": schema}})
+    streamed = "".join(c.choices[0].text for c in chunks)
+    offline = reference.generate([question], SamplingParams(temperature=0, max_tokens=60, structured_outputs=(
+        StructuredOutputsParams(json=schema))), use_tqdm=False)[0]
+    assert streamed == offline.text and json.loads(streamed)["unit"] in ("apples", "pears")
+    for extra, allowed in (({"guided_choice": ["yes", "no"]}, ("yes", "no")),
+                           ({"guided_regex": "[0-9]{2}-[a-z]{2}"}, None)):
+        text = client.completions.create(model=MODEL, prompt=question, max_tokens=20, temperature=0.8, seed=3,
+                                         extra_body=extra).choices[0].text
+        assert text in allowed if allowed else re.fullmatch("[0-9]{2}-[a-z]{2}", text), text
+    assert_all_free(state)
+
+
+def test_penalties_bias_and_rules_through_the_openai_client(server, reference):
+    url, state = server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    question = PROBLEMS[1].prompt()
+    fields = dict(presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.8, min_tokens=3, bad_words=["so"])
+    offline = reference.generate([question], SamplingParams(temperature=0, max_tokens=40, logit_bias={20: 2.0}, **fields),
+                                 use_tqdm=False)[0]
+    served = client.completions.create(model=MODEL, prompt=question, max_tokens=40, temperature=0,
+                                       presence_penalty=1.0, frequency_penalty=1.5, logit_bias={"20": 2.0},
+                                       extra_body=dict(repetition_penalty=1.8, min_tokens=3, bad_words=["so"]))
+    assert served.choices[0].text == offline.text and "so" not in offline.text
+    assert_all_free(state)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "model": "another-model"}, "model"),
@@ -193,6 +236,16 @@ def test_lm_eval_loglikelihood_task_through_the_server_scores_as_llm_does(server
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objecx"}}}},
+     "response_format"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "guided_regex": "(a"}, "guided_regex"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),  # two constraints
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
+    ({"prompt": "x", "max_tokens": 5, "min_tokens": 9}, "min_tokens"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):
     url, _ = server

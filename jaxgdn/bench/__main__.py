@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--logprobs", type=int, default=None,
                     help="every request asks for the logprobs of its tokens and the top N (the cost of logprobs)")
+    sv.add_argument("--json-schema", action="store_true",
+                    help="every request's output follows a JSON schema (the cost of structured output; its array "
+                         "never closes before max_tokens, so every request runs as long as without it)")
     sv.add_argument("--http", metavar="URL", default=None,
                     help="drive a running OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000) instead of "
                          "an in-process engine; --model names the checkpoint it serves (its vocabulary, tokenizer)")

@@ -68,10 +68,18 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
+# --json-schema: nested objects, an enum and strings, in an array whose minItems no request reaches
+BENCH_SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
+    "type": "array", "minItems": 100000, "items": {
+        "type": "object", "required": ["name", "kind", "value"], "properties": {
+            "name": {"type": "string"}, "kind": {"enum": ["add", "sub", "mul"]}, "value": {"type": "integer"}}}}}}
+
+
 def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | None = None,
-          logprobs: int | None = None) -> dict:
+          logprobs: int | None = None, structured=None) -> dict:
     """Serve the requests on llm's engine (arrivals at t=0, or Poisson at request_rate/s; at most max_concurrency
-    in flight, a request arriving when it is admitted; logprobs: every request asks for them), stamping each output token when the host sees it. With
+    in flight, a request arriving when it is admitted; logprobs: every request asks for them; structured: every
+    request's StructuredOutputsParams), stamping each output token when the host sees it. With
     PD (llm.prefill_worker) a prompt goes to the prefill worker and its handoff to the decode worker, the two
     stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
@@ -108,7 +116,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
         while pending and pending[0][0] <= now and len(live) < (max_concurrency or len(requests)):
             arrival, (prompt, max_tokens) = pending.pop(0)
             i, sp = len(requests) - len(pending) - 1, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                                          logprobs=logprobs)
+                                                                          logprobs=logprobs, structured_outputs=structured)
             if prefill is not None and len(prompt) > 1:
                 in_prefill[prefill.submit(prompt, sp)] = i
             else:
@@ -216,7 +224,15 @@ def child_run(args) -> dict:
         conversations = make_conversations(args, llm.model_config.vocab_size)
         run = lambda: serve_conversations(llm, conversations, args.max_model_len)  # noqa: E731
     else:
-        run = lambda: serve(llm, requests, args.request_rate, args.seed, args.max_concurrency, args.logprobs)  # noqa: E731
+        structured = None
+        if args.json_schema:
+            from ..engine.structured import Grammars, StructuredOutputsParams
+
+            structured = StructuredOutputsParams(json=BENCH_SCHEMA)
+            for e in llm.engines if llm.tokenizer is None else ():  # a random-weight preset: a stand-in vocabulary
+                e.grammars = Grammars.synthetic(llm.model_config.vocab_size, llm.model_config.eos_token_ids)
+        run = lambda: serve(llm, requests, args.request_rate, args.seed, args.max_concurrency, args.logprobs,  # noqa: E731
+                            structured)
     out["cold"] = run()
     out["cold"]["from_process_start_s"] = time.perf_counter() - t_start
     out["warm"] = run()
@@ -255,6 +271,7 @@ def _forwarded(args) -> list[str]:
              "--request-rate", str(args.request_rate), "--seed", str(args.seed),
              *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
              *(["--logprobs", str(args.logprobs)] if args.logprobs is not None else []),
+             *(["--json-schema"] if args.json_schema else []),
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
              "--num-speculative-tokens", str(args.num_speculative_tokens),
@@ -321,7 +338,8 @@ def bench_serve(args) -> dict:
                **({"prefix_len": args.prefix_len} if args.dataset == "prefix" else {}),
                **({"num_turns": args.num_turns} if args.dataset == "multiturn" else {}),
                "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
-               "max_concurrency": args.max_concurrency, "seed": args.seed, "logprobs": args.logprobs, "engine": {k: getattr(args, k) for k in (
+               "max_concurrency": args.max_concurrency, "seed": args.seed, "logprobs": args.logprobs,
+               "json_schema": BENCH_SCHEMA if args.json_schema else None, "engine": {k: getattr(args, k) for k in (
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "num_speculative_tokens",
                    "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd",
                    "enable_prefix_caching")},

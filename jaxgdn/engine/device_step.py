@@ -21,6 +21,8 @@ from .logprobs import Sampler, pack, score, score_stream, stream_targets
 from .sampling import position_keys
 from .spec_decode import verify_drafts
 from .state import NULL_PAGE, EngineState, PagedKV
+from .structured import allowed
+from . import penalties
 from .step_layout import StepArrays, unpack_step_arrays
 
 
@@ -37,8 +39,8 @@ def packed_step(params: ModelParams, state: EngineState, resident, host_input, l
     buffers; reading the input from resident keeps every kernel but the first copy at fixed addresses, so
     the graph needs no update of its other nodes. (One spare element: a copy over the whole buffer would be
     simplified into reading host_input directly; the barrier keeps the readers on the copy.)
-    sampler (static, logprobs.Sampler flags): SAMPLE (some row samples with temperature > 0), and the scores
-    above.
+    sampler (static, logprobs.Sampler flags): SAMPLE (some row samples with temperature > 0), the scores
+    above, GUIDED (the arrays carry a grammar bitmask of the logits rows).
     width (static): 0 for a ragged program; > 0 for a uniform one (every real row `width` tokens), whose
     token mixers view the stream as [R, width] (`forward.RowView`, the decode kernels).
     num_steps (static): > 1 runs that many model steps in one launch of a uniform program (every row a
@@ -151,19 +153,26 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     tok_at = logits_indices[rows]  # [R, W] flat token index of each logits row
     # Greedy programs need only the argmax, which tensor parallelism forms without gathering the logits.
     rows_hidden = hidden[tok_at]
-    if stochastic or sampler & Sampler.LOGPROBS:
+    if stochastic or sampler & (Sampler.LOGPROBS | Sampler.GUIDED | Sampler.PENALIZE):
         logits, greedy = head_logits(params, rows_hidden, cfg.vocab_size, policy).astype(jnp.float32), None  # [R, W, V]
     else:
         logits, greedy = None, head_argmax(params, rows_hidden, cfg.vocab_size, policy)  # [R, W]
+    raw_logits = logits  # what logprobs report
     T = ids.shape[0]
     drafts = ids[jnp.clip(tok_at[:, 1:], 0, T - 1)]  # [R, K]
+    output_counts = state.output_counts
+    if sampler & Sampler.PENALIZE:
+        logits = penalties.apply(logits, output_counts[idx], state.prompt_tokens[idx], drafts, n_draft, a.penalties,
+                                 a.logit_bias)
+    if sampler & Sampler.GUIDED:  # tokens outside a constrained row's grammar are never sampled or accepted
+        logits = jnp.where(allowed(a.bitmask, logits.shape[-1]).reshape(logits.shape), logits, -jnp.inf)
     keys = position_keys(jnp.repeat(a.seeds, W), jnp.repeat(a.request_ids, W),
                          (a.positions[tok_at] + 1).reshape(-1)).reshape(R, W)
     tokens, num_sampled = verify_drafts(logits, drafts, n_draft, a.temperature, a.top_k, a.top_p, keys,
                                          stochastic, argmax=greedy, vocab_size=cfg.vocab_size)
     scores = []
     if sampler & Sampler.LOGPROBS:
-        scores.append(pack(score(logits.reshape(R * W, -1), tokens.reshape(-1))))
+        scores.append(pack(score(raw_logits.reshape(R * W, -1), tokens.reshape(-1))))
     if sampler & Sampler.STREAM:
         targets = stream_targets(ids, a.token_row, a.next_token)
         scores.append(pack(score_stream(params, hidden, targets, cfg.vocab_size, policy)))
@@ -174,6 +183,8 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
     sampled = jnp.arange(W)[None, :] < num_sampled[:, None]  # [R, W] the tokens the row emitted
     hit = jnp.any(sampled & jnp.any(tokens[..., None] == a.stop_ids[:, None, :], -1), -1)  # [R]
     stopped = state.stopped.at[jnp.where(samples & hit, idx, S)].set(True, mode="drop")
+    if sampler & Sampler.PENALIZE:
+        output_counts = penalties.count(output_counts, jnp.where(samples, idx, S), tokens, num_sampled)
     # Rollback is selection: the next step reads checkpoint num_accepted - 1.
     committed = jnp.where(a.verify_path, jnp.maximum(num_sampled, 1), 1)
     num_accepted = state.num_accepted.at[jnp.where(real, idx, S)].set(committed, mode="drop")
@@ -189,7 +200,7 @@ def _device_step(params: ModelParams, state: EngineState, a: StepArrays, *, cfg:
         draft_tokens = draft_tokens.at[jnp.where(samples, idx, S)].set(new_drafts, mode="drop")
     state = EngineState(layers=state.layers, mtp_layers=mtp_layers, last_sampled=last_sampled,
                         draft_tokens=draft_tokens, num_accepted=num_accepted, num_computed=num_computed,
-                        stopped=stopped)
+                        stopped=stopped, output_counts=output_counts, prompt_tokens=state.prompt_tokens)
     return state, tokens, num_sampled, new_drafts, ids, scores
 
 

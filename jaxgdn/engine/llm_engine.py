@@ -7,7 +7,6 @@ parameters) are finished at once with finish_reason "error" and a message; the o
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
 from typing import Callable, Iterable
@@ -24,11 +23,14 @@ from .memory import device_memory, plan_memory
 from .programs import ProgramSet, StepShape
 from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams,
                       validate_request)
-from .runner import ModelRunner, PendingStep, enable_compilation_cache
-from .scheduler import Scheduler, SchedulerOutput
+from .runner import ModelRunner, enable_compilation_cache
+from .scheduler import InFlight, Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
 from .step_layout import BlockTables, StepArrays, StopTable, build_step, empty_step, pack_step_arrays
 from .logprobs import launch_sampler, record_prompt, record_sampled
+from .host_masks import attach_host_masks, launch_bitmask, needs_host_masks
+from .penalties import penalized, penalty_arrays, seed
+from .structured import Grammars
 from .placement import Placement
 from .prefix_cache import PrefixCache
 from .snapshots import PrefixCaching, SnapshotCopier
@@ -46,6 +48,7 @@ class LLMEngine:
     device's platform). garbage_seed: fill every state buffer with garbage (slot-hygiene tests)."""
 
     caches_prefixes = True  # with ecfg.enable_prefix_caching (a PD decode worker imports its prompts instead)
+    samples_outputs = True  # a PD prefill worker samples nothing (structured output is the decode worker's)
 
     def __init__(self, params: ModelParams, cfg: ModelConfig, ecfg: EngineConfig, *,
                  garbage_seed: int | None = None, decode: Callable[[list[int]], str] | None = None, device=None,
@@ -103,6 +106,7 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.decode = decode
+        self.grammars: Grammars | None = None  # structured output's compiler (LLM sets it from the tokenizer)
         self.num_steps = 0
         # Every token fed to the model, per request: (position, token id). Tests check prompt fidelity.
         self.record_inputs = False
@@ -112,7 +116,7 @@ class LLMEngine:
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         # Async scheduling: the dispatched step whose results are not applied yet.
         self.async_scheduling = ecfg.uses_async_scheduling
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self.num_launches = 0
         self.closed = False
 
@@ -121,19 +125,18 @@ class LLMEngine:
         (abstract: only its shapes matter)."""
         tokens = self.programs.token_buckets[-1]
         shape = StepShape(tokens, self.programs.rows_for(tokens))
-        _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
-        compiled = self.runner.compile_on(layout, True, state)
+        compiled = self.runner.compile_on(self._layout(shape), True, state)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs
     def program_keys(self, sampled: bool = True) -> list[tuple]:
         """The runner's keys of every step program this engine may run: each shape of `programs`, greedy
         and (sampled) with temperature rows."""
-        keys = []
-        for shape in self.programs.all_shapes():
-            _, layout = pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))
-            keys += [(layout, sampler, shape.num_steps, shape.width) for sampler in range(1 + sampled)]
-        return keys
+        return [(self._layout(shape), sampler, shape.num_steps, shape.width)
+                for shape in self.programs.all_shapes() for sampler in range(1 + sampled)]
+
+    def _layout(self, shape: StepShape) -> tuple:
+        return pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))[1]
 
     def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
         """Compile every step program now (see program_keys); later compiles count as compiles after
@@ -159,7 +162,9 @@ class LLMEngine:
         rid = next(self._ids)
         req = Request(rid, list(prompt_token_ids), params, RequestMetrics(arrival_time=time.perf_counter()))
         self.requests[rid] = req
-        error = error or self.validate(req.prompt_token_ids, params)
+        error = (error or self.validate(req.prompt_token_ids, params)
+                 or (attach_host_masks(req, self.grammars, self.cfg.eos_token_ids)
+                     if self.samples_outputs else None))
         if error:
             req.error = error
             req.status = RequestStatus.FINISHED
@@ -267,6 +272,9 @@ class LLMEngine:
         for row in out.rows:
             self.slot_prefill_len[row.request.slot] = row.request.prefill_len
             self._admitted(row.request)
+            if self.samples_outputs and not row.request.launched and penalized(row.request.sampling_params):
+                outputs = [t for t in row.request.output_token_ids if t >= 0]
+                self.runner.state = seed(self.runner.state, row.request.slot, row.request.prompt_token_ids, outputs)
         self.runner.state = self.prefix_caching.before(out.rows, self.runner.state)
         t0 = time.perf_counter()
         rows = out.rows
@@ -274,6 +282,9 @@ class LLMEngine:
                  else self.programs.ragged(sum(r.num_tokens for r in rows), len(rows)))
         arrays = build_step(rows, shape, self.ecfg, self.slot_prefill_len, self.block_tables, self.block_q, rebase,
                             self.stop_table)
+        penalties, bias = penalty_arrays(rows, shape.rows)
+        arrays = arrays.replace(bitmask=launch_bitmask(rows, shape.rows, 1 + self.K, self.cfg.vocab_size),
+                                penalties=penalties, logit_bias=bias)
         self.timings["build"] += time.perf_counter() - t0
         return arrays, shape
 
@@ -289,7 +300,7 @@ class LLMEngine:
             self.fed_tokens.setdefault(req.request_id, []).extend((start + i, int(t)) for i, t in enumerate(ids))
 
     # ------------------------------------------------------------------------------------ launches
-    def _launch(self, out: SchedulerOutput) -> "_InFlight":
+    def _launch(self, out: SchedulerOutput) -> "InFlight":
         """Dispatch the scheduled rows and book their results before they come back.
 
         Exact because the sampled tokens and drafts reach the next step on the device (last_sampled,
@@ -318,12 +329,13 @@ class LLMEngine:
             req.num_computed += row.launch_steps * row.num_tokens  # every draft accepted, every step
             out_index.append(len(req.output_token_ids) if row.samples else -1)
             if row.samples:
+                req.masks_in_flight = needs_host_masks(req)
                 req.output_token_ids += [PLACEHOLDER_TOKEN] * row.booked_outputs
                 req.output_slack += row.booked_outputs - min(row.launch_steps, row.token_budget)
                 if self.K:  # the drafts it proposes are on the device: the next row verifies K
                     req.spec_token_ids = [PLACEHOLDER_TOKEN] * self.K
                 req.awaiting_final_token = self._length_reached(req, req.num_outputs_lower_bound)
-        return _InFlight(out, pending, starts, out_index, excess)
+        return InFlight(out, pending, starts, out_index, excess)
 
     def _near_length_limit(self) -> bool:
         """MTP: a running request might be within one launch of verify windows of max_model_len, where the
@@ -338,7 +350,7 @@ class LLMEngine:
         if previous is not None:
             self._apply(previous, sync)
 
-    def _apply(self, flight: "_InFlight", sync: bool = False) -> None:
+    def _apply(self, flight: "InFlight", sync: bool = False) -> None:
         """Fill the placeholders of a dispatched launch with its sampled tokens (step by step), count
         acceptance, finish requests; with MTP, drop the placeholders a verify row left unfilled and take
         them off num_computed. sync (synchronous scheduling, no later launch booked): the drafts come to the
@@ -350,6 +362,7 @@ class LLMEngine:
             req = row.request
             tokens_in = slice(t, t + row.num_tokens)
             t += row.num_tokens
+            req.masks_in_flight &= not row.samples  # (a chunk row's launch is not the sampling row's)
             if req.status is RequestStatus.FINISHED:  # a finished request's extra row: discarded
                 continue
             # unused placeholders of this request's earlier launches, removed after this one was booked
@@ -365,6 +378,8 @@ class LLMEngine:
                 if row.kind == RowKind.SPEC_VERIFY:
                     self.spec_counters.count(req.metrics, len(row.spec_tokens), n - 1)
                 for k, token in enumerate(res.tokens[b, :n]):
+                    if req.host_masks is not None and not req.host_masks.accept_token(int(token)):
+                        req.error = f"token {int(token)} is outside the request's grammar"
                     req.output_token_ids[i + emitted] = int(token)
                     record_sampled(req, res.sampled_scores, b * (1 + self.K) + k, int(token))
                     emitted += 1
@@ -386,7 +401,7 @@ class LLMEngine:
                 req.num_computed -= unused
                 req.spec_excess += unused
                 req.output_slack -= row.booked_outputs - min(row.launch_steps, row.token_budget)
-                if sync and self.K:
+                if (sync or needs_host_masks(req)) and self.K:  # a masked row's next masks need its drafts
                     drafts = [int(d) for d in results[row.launch_steps - 1].drafts[b]]
                     if self.draft_override is not None:
                         drafts = self.draft_override(req, drafts)
@@ -403,7 +418,10 @@ class LLMEngine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         sp = req.sampling_params
-        if (not sp.ignore_eos and token in self.cfg.eos_token_ids) or token in sp.stop_token_ids:
+        if req.error is not None:
+            reason = "error"
+        elif ((not sp.ignore_eos and token in self.cfg.eos_token_ids) or token in sp.stop_token_ids
+              or (req.host_masks is not None and req.host_masks.is_terminated())):
             reason = "stop"
         elif self._length_reached(req, num_outputs):
             reason = "length"
@@ -434,16 +452,3 @@ class LLMEngine:
 
     def outputs(self, rids: Iterable[int]) -> list[RequestOutput]:
         return [self.output(r) for r in rids]
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A dispatched step (async scheduling): its rows, device results, each row's first position as
-    booked, the index of its first placeholder output token (-1 for rows that do not sample), and each
-    request's spec_excess when it was booked."""
-
-    out: SchedulerOutput
-    pending: PendingStep
-    starts: list[int]
-    out_index: list[int]
-    excess: list[int]

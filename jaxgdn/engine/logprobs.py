@@ -29,6 +29,8 @@ class Sampler(enum.IntFlag):
     SAMPLE = 1  # some row samples with temperature > 0
     LOGPROBS = 2  # scores the sampled tokens
     STREAM = 4  # scores every token's successor in the stream
+    GUIDED = 8  # masks the logits with the launch's bitmask (host_masks.py)
+    PENALIZE = 16  # applies penalties and logit bias, and counts the slots' outputs (penalties.py)
     PROMPT_LOGPROBS = LOGPROBS | STREAM
 
 

@@ -34,12 +34,13 @@ def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> i
 
 
 def gdn_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
-    """Bytes of the GDN slot pools: per slot and GDN layer a conv buffer of Kc-1+K inputs (activation dtype)
-    and 1+K fp32 recurrent states."""
+    """Bytes of the per-slot pools: per slot and GDN layer a conv buffer of Kc-1+K inputs (activation dtype)
+    and 1+K fp32 recurrent states; per slot the penalties' output counts and prompt token bits."""
     K = ecfg.num_speculative_tokens
     conv = (cfg.linear_conv_kernel_dim - 1 + K) * cfg.conv_dim * ecfg.jnp_dtype.itemsize
     ssm = (1 + K) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return ecfg.num_slots * len(cfg.gdn_layer_ids) * (conv + ssm)
+    penalties = cfg.vocab_size * 4 + -(-cfg.vocab_size // 32) * 4  # output_counts, prompt_tokens (penalties.py)
+    return ecfg.num_slots * (len(cfg.gdn_layer_ids) * (conv + ssm) + penalties)
 
 
 def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:

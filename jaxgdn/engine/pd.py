@@ -20,6 +20,7 @@ import numpy as np
 from ..model.config import FULL_ATTENTION, ModelConfig
 from .request import Request, SamplingParams
 from .state import EngineState, GDNSlots, PagedKV
+from .structured import StructuredOutputsParams
 
 Array = Any
 
@@ -98,6 +99,8 @@ class Handoff:
             arrays[name] = np.frombuffer(data, dt, count, base + start).reshape(shape)
         sp = meta.pop("sampling_params")
         sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+        if sp.get("structured_outputs") is not None:
+            sp["structured_outputs"] = StructuredOutputsParams(**sp["structured_outputs"])
         return cls(sampling_params=SamplingParams(**sp), **meta, **arrays)
 
 

@@ -9,6 +9,8 @@ import math
 import numpy as np
 
 from .logprobs import MAX_LOGPROBS, Logprob, entry_dict
+from .penalties import MAX_LOGIT_BIAS
+from .structured import StructuredOutputsParams
 
 
 class RowKind(enum.IntEnum):
@@ -53,6 +55,24 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # each sampled token's logprob and the top `logprobs` (logprobs.py)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows a grammar (structured.py)
+    # vLLM's penalties (penalties.py): presence and frequency over the output, repetition over prompt + output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | dict | None = None  # {token id: bias in [-100, 100]}
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many outputs
+    bad_words: tuple[str, ...] | None = None  # words the output never completes (host_masks.py)
+
+    def __post_init__(self):
+        if self.logit_bias is not None:  # hashable pairs in a fixed order (JSON's keys are strings)
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            try:
+                object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in pairs)))
+            except (TypeError, ValueError):
+                pass  # validate() names the problem
+        if isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -73,6 +93,32 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n}")
+        self._validate_penalties()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r}")
+        bias = self.logit_bias or ()
+        if not (isinstance(bias, tuple) and all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and 0 <= e[0]
+                                                and isinstance(e[1], float) and math.isfinite(e[1]) for e in bias)):
+            raise ValueError("logit_bias must map token ids to finite numbers")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        if any(not -100 <= v <= 100 for _, v in bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
 
     @property
     def seed_words(self) -> tuple[int, int]:
@@ -94,6 +140,9 @@ def validate_request(ids: list[int], params: SamplingParams, vocab_size: int, ma
         params.validate()
     except ValueError as e:
         return str(e)
+    bad_bias = [t for t, _ in params.logit_bias or () if t >= vocab_size]
+    if bad_bias:
+        return f"logit_bias: token id(s) outside the vocabulary [0, {vocab_size}): {bad_bias[:5]}"
     return None
 
 
@@ -158,6 +207,11 @@ class Request:
     device_stops: tuple = ()  # the stop tokens the device checks (step_layout.StopTable, at its first row)
     copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
     num_cached_tokens: int | None = None
+    # The masks the host computes for its logits rows (host_masks.HostMasks: grammar, min_tokens, bad_words);
+    # masks_in_flight: a launch of its sampling row is not applied yet (its next masks need those tokens; the
+    # scheduler waits)
+    host_masks: object | None = dataclasses.field(default=None, repr=False)
+    masks_in_flight: bool = False
     # logprobs.Scores.entry of each output token, and of each prompt token (None at position 0) as computed
     sampled_logprobs: list = dataclasses.field(default_factory=list, repr=False)
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None], repr=False)

@@ -352,6 +352,10 @@ class ModelRunner:
         sampler: the program variant the rows' logprobs need; SAMPLE is added where a row has temperature > 0."""
         if np.any((arrays.temperature > 0) & arrays.samples):
             sampler |= Sampler.SAMPLE
+        if arrays.bitmask is not None:
+            sampler |= Sampler.GUIDED
+        if arrays.penalties is not None:
+            sampler |= Sampler.PENALIZE
         sampler = int(sampler)
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)

@@ -13,11 +13,16 @@ import collections
 import dataclasses
 import math
 import time
+from typing import TYPE_CHECKING
 
 from .config import EngineConfig
+from .host_masks import needs_host_masks
 from .prefix_cache import PrefixCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
 from .state import FreeList
+
+if TYPE_CHECKING:
+    from .runner import PendingStep
 
 
 @dataclasses.dataclass
@@ -181,6 +186,8 @@ class Scheduler:
         room under max_model_len for every row; its budget is max_tokens' remainder."""
         if num_steps <= 1 or not out.rows or (self.waiting and self.slots.num_free):
             return 1
+        if any(needs_host_masks(row.request) for row in out.rows):  # each step's masks need the last tokens
+            return 1
         # one width a launch program: 1 + K (decode rows without MTP, verify windows with it)
         width = 1 + self.K
         kind = RowKind.DECODE if width == 1 else RowKind.SPEC_VERIFY
@@ -216,8 +223,8 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
-                continue  # preempted by an earlier row of this step, or its last token is in flight
+            if req.status is not RequestStatus.RUNNING or req.awaiting_final_token or req.masks_in_flight:
+                continue  # preempted by an earlier row of this step, or its last token (or grammar) is in flight
             row = self._plan(req, budget, rows)
             if row is None:
                 continue
@@ -251,3 +258,16 @@ class Scheduler:
             rows.append(row)
             budget -= row.num_tokens
         return SchedulerOutput(rows=rows, preempted=preempted)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step (async scheduling): its rows, device results, each row's first position as
+    booked, the index of its first placeholder output token (-1 for rows that do not sample), and each
+    request's spec_excess when it was booked."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+    starts: list[int]
+    out_index: list[int]
+    excess: list[int]

@@ -7,7 +7,8 @@ Device side: `EngineState`, one pytree donated to every jitted step.
   - GDN layer i: conv [num_slots, Kc-1+K, C] (window at offset num_accepted-1) and ssm
     [num_slots, 1+K, Hv, dk, dv] fp32 (checkpoint num_accepted-1 is the committed state); slot 0 is
     the null slot of padded rows.
-  - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K], stopped.
+  - last_sampled [num_slots], draft_tokens [num_slots, K], num_accepted [num_slots] in [1, 1+K], stopped,
+    and the penalties' output_counts [num_slots, V] and prompt_tokens [num_slots, ceil(V/32)].
 Beside it, never an argument of a step program (each argument costs every launch's dispatch): the prefix cache's
 snapshots (`init_snapshots`), per GDN layer conv [N, Kc-1, C] and ssm [N, Hv, dk, dv] fp32, the state after a
 cached prefix (`snapshots.py`); snapshot 0 is the null one padding copies write.
@@ -83,6 +84,9 @@ class EngineState:
     # slot, so the slot keeps the state after its last token (the prefix cache keeps it); a new request's
     # first row clears it (device_step.packed_step).
     stopped: Array  # [num_slots] bool
+    # Penalties (penalties.py): each slot's request's output token counts and its prompt's tokens as bits.
+    output_counts: Array  # [num_slots, V] int32
+    prompt_tokens: Array  # [num_slots, ceil(V/32)] int32
 
 
 def init_engine_state(
@@ -111,6 +115,8 @@ def init_engine_state(
         num_accepted=jnp.ones((S,), jnp.int32),
         num_computed=jnp.zeros((S,), jnp.int32),
         stopped=jnp.zeros((S,), bool),
+        output_counts=jnp.zeros((S, cfg.vocab_size), jnp.int32),
+        prompt_tokens=jnp.zeros((S, -(-cfg.vocab_size // 32)), jnp.int32),
     )
     if garbage_seed is None:
         return state

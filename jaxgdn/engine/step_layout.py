@@ -81,6 +81,11 @@ class StepArrays:
     top_p: np.ndarray  # [R]
     seeds: np.ndarray  # [R] uint32
     request_ids: np.ndarray  # [R] uint32
+    # [R * (1+K), ceil(V/32)] int32: the tokens each logits row may take (structured.launch_bitmask); None: any
+    bitmask: np.ndarray | None = None
+    # penalties.penalty_arrays: [R, 3] f32 presence, frequency, repetition; [R, 2, B] logit bias ids and values
+    penalties: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
 
 class BlockTables:
@@ -192,7 +197,7 @@ def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
     and its static layout ((name, shape, dtype), ...). float32/uint32 travel bit-cast, bools as 0/1."""
     parts, layout = [], []
     for name, x in vars(arrays).items():
-        if name == "row_kind":  # host-side bookkeeping only
+        if name == "row_kind" or x is None:  # host-side bookkeeping only; a bitmask only where some row has one
             continue
         x = np.ascontiguousarray(x)
         if x.dtype.itemsize != 4 and x.dtype != np.bool_:

@@ -27,6 +27,8 @@ class _Worker(LLMEngine):
 class PrefillWorker(_Worker):
     """Runs prompt[:-1] of each request and exports a Handoff when it is done (in `handoffs_out`)."""
 
+    samples_outputs = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.handoffs_out: list[Handoff] = []

@@ -13,11 +13,12 @@ class Tokenizer:
     an upper bound), so a text of B bytes has at least B / max_token_bytes tokens; None where unknown."""
 
     def __init__(self, encode, decode, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None,
-                 max_token_bytes: int | None = None, id_to_token=None):
+                 max_token_bytes: int | None = None, id_to_token=None, backend=None):
         self.encode, self.decode, self.eos_token_ids = encode, decode, eos_token_ids
         self.chat_template = chat_template
         self.max_token_bytes = max_token_bytes
         self.id_to_token = id_to_token or (lambda i: None)  # a token's vocabulary entry (special tokens' names)
+        self.backend = backend  # the tokenizers / transformers tokenizer (structured output reads its vocabulary)
 
     @property
     def eos_token(self) -> str | None:
@@ -46,7 +47,7 @@ def from_tokenizers(tok, chat_template: str | None = None) -> Tokenizer:
     return Tokenizer(lambda s: tok.encode_batch([s])[0].ids,
                      lambda ids: tok.decode_batch([list(ids)], skip_special_tokens=True)[0],
                      chat_template=chat_template, max_token_bytes=_max_token_bytes(tok.get_vocab(with_added_tokens=True)),
-                     id_to_token=tok.id_to_token)
+                     id_to_token=tok.id_to_token, backend=tok)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
@@ -65,7 +66,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
         tok = AutoTokenizer.from_pretrained(str(path))
         out = Tokenizer(lambda s: tok.encode(s, add_special_tokens=False),
                         lambda ids: tok.decode(ids, skip_special_tokens=True), chat_template=template,
-                        max_token_bytes=_max_token_bytes(tok.get_vocab()), id_to_token=tok.convert_ids_to_tokens)
+                        max_token_bytes=_max_token_bytes(tok.get_vocab()), id_to_token=tok.convert_ids_to_tokens,
+                        backend=tok)
     else:
         return None
     out.eos_token_ids = _eos_token_ids(path)

@@ -206,7 +206,8 @@ def build_app(state: ServerState) -> FastAPI:
 def _check(state: ServerState, ids: list[int], sp: SamplingParams) -> None:
     problem = state.front.validator.validate(ids, sp)
     if problem:
-        raise BadRequest(problem, "prompt" if "prompt" in problem or "token" in problem else None)
+        field = problem.split(":")[0] if problem.startswith("logit_bias") else None
+        raise BadRequest(problem, field or ("prompt" if "prompt" in problem or "token" in problem else None))
 
 
 def _choices(state: ServerState, body: SamplingFields, prompts: list[list[int]],

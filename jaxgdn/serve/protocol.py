@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.request import INT32_MAX, MAX_TEMPERATURE, SEED_RANGE, SamplingParams
+from ..engine.structured import StructuredOutputsParams
 
 
 class BadRequest(ValueError):
@@ -49,15 +50,20 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    bad_words: list[str] | None = None
     logprobs: bool | int | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} is not supported by jaxgdn", name)
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported by jaxgdn", "logit_bias")
         if getattr(self, "suffix", None):
             raise BadRequest("suffix is not supported by jaxgdn", "suffix")
         if self.max_tokens == 0 and not self.scores_prompt_only:
@@ -72,6 +78,44 @@ class SamplingFields(BaseModel):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) of the engine's SamplingParams."""
         return None, None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request names, or None (BadRequest for several, or a bad
+        response_format)."""
+        found = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found["response_format"] = StructuredOutputsParams(json_object=True)
+            elif kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise BadRequest("response_format json_schema needs json_schema.schema, an object", "response_format")
+                found["response_format"] = StructuredOutputsParams(json=schema)
+            elif kind != "text":
+                raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                 "response_format")
+        if self.structured_outputs:
+            fields = {k: v for k, v in self.structured_outputs.items() if v not in (None, False)}
+            unknown = set(fields) - {"json", "json_object", "regex", "choice", "grammar"}
+            if unknown:
+                raise BadRequest(f"structured_outputs: unknown field(s) {sorted(unknown)}", "structured_outputs")
+            found["structured_outputs"] = StructuredOutputsParams(**fields)
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for key, value in guided.items():
+            if value is not None:
+                found[f"guided_{key}"] = StructuredOutputsParams(**{key: value})
+        if len(found) > 1:
+            raise BadRequest(f"one structured-output constraint at a time, got {sorted(found)}", sorted(found)[1])
+        for key, constraint in found.items():
+            try:
+                constraint.validate()
+            except ValueError as e:
+                raise BadRequest(str(e), key) from None
+            return constraint
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -91,11 +135,18 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.constraint(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias or None,
+            min_tokens=self.min_tokens,
+            bad_words=tuple(self.bad_words) if self.bad_words else None,
         )
         try:
             sp.validate()
         except ValueError as e:  # the message starts with the field's name
-            raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
+            raise BadRequest(str(e), str(e).split(" ", 1)[0].rstrip(":")) from None
         return sp
 
 
