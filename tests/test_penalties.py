@@ -7,15 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 from helpers import full_logits, shipped_model
+from sampling_runs import PENALTY_CASES, served
 
-from jaxgdn import task
 from jaxgdn.engine import penalties
-from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
-from jaxgdn.generate import default_checkpoint
-from jaxgdn.llm import LLM
 
-pytestmark = pytest.mark.xdist_group("penalties")  # one worker serves the module's engines
+pytestmark = pytest.mark.xdist_group("sampling")  # sampling_runs' engines are built once, on one worker
 
 
 def reference_penalize(logits, prompt, outputs, sp):
@@ -72,33 +69,13 @@ def test_device_penalties_equal_the_reference_at_each_verify_position():
     assert int(counted.sum()) == sum(map(len, outputs)) + 3  # row 1 emitted nothing; slot 4 is out of range
 
 
-PROBLEMS = task.take("test", 6)
-CASES = [  # strong penalties: the shipped model is confident
-    SamplingParams(temperature=0, max_tokens=40, repetition_penalty=2.0, frequency_penalty=2.0),
-    SamplingParams(temperature=0, max_tokens=40, presence_penalty=2.0, logit_bias={20: 4.0, 23: -3.0}),
-    SamplingParams(temperature=0, max_tokens=40, frequency_penalty=-2.0, repetition_penalty=0.5),
-    SamplingParams(temperature=0.8, seed=5, max_tokens=40, frequency_penalty=1.5, repetition_penalty=1.5),
-    SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_tokens=40, presence_penalty=-1.0, logit_bias={30: 3.0}),
-    SamplingParams(temperature=0, max_tokens=40),  # unpenalized, beside the others
-]
+CASES = PENALTY_CASES
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs():
-    """{K: (outputs of CASES, outputs of the rules requests)} on the shipped model."""
-    out = {}
-    for K in (0, 2):
-        config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, dtype="float32",
-                              precompile=False, num_speculative_tokens=K)
-        with LLM(str(default_checkpoint()), config) as llm:
-            prompts = [p.prompt() for p in PROBLEMS]
-            plain = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)
-            word = plain[1].text.split()[1]  # a word the model writes unasked
-            rules = [SamplingParams(temperature=0, max_tokens=200, min_tokens=len(plain[0].token_ids) + 15),
-                     SamplingParams(temperature=0, max_tokens=200, bad_words=[word])]
-            out[K] = (llm.generate(prompts, CASES, use_tqdm=False), plain, llm.generate(prompts[:2], rules, use_tqdm=False),
-                      word)
-    return out
+    """{K: (outputs of CASES, the plain outputs, outputs of the rules requests, the bad word)} on the shipped model."""
+    return {K: (served(K)["cases"], served(K)["plain"], served(K)["rules"], served(K)["word"]) for K in (0, 2)}
 
 
 def test_greedy_penalized_tokens_equal_a_full_recompute_reference(runs):
@@ -112,7 +89,7 @@ def test_greedy_penalized_tokens_equal_a_full_recompute_reference(runs):
             logits = full_logits(params, cfg, ids)[-1]
             ids.append(int(np.argmax(reference_penalize(logits, prompt, ids[len(prompt):], sp))))
         assert ids[len(prompt):] == o.token_ids
-    assert outs[0].token_ids != runs[0][1][0].token_ids[:40]  # the penalties changed the output
+    assert outs[0].token_ids != runs[0][1][0].token_ids[: len(outs[0].token_ids)]  # the penalties changed the output
 
 
 def test_mtp_keeps_greedy_and_seeded_penalized_tokens(runs):

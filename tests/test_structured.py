@@ -9,58 +9,19 @@ import re
 import jsonschema
 import pytest
 
-from jaxgdn import task
-from jaxgdn.engine.config import EngineConfig
+from sampling_runs import CHOICES, NUM_SCHEMA, REGEX, SCHEMA, served
+
+from jaxgdn.engine.host_masks import HostMasks, launch_bitmask
 from jaxgdn.engine.request import SamplingParams
-from jaxgdn.engine.structured import StructuredOutputsParams, launch_bitmask
-from jaxgdn.generate import default_checkpoint
-from jaxgdn.llm import LLM
+from jaxgdn.engine.structured import StructuredOutputsParams
 
-SCHEMA = {  # a nested object, an enum, a bounded array (short names: the CPU runs every token of 200 outputs)
-    "type": "object",
-    "properties": {
-        "id": {"type": "string", "maxLength": 4},
-        "op": {"enum": ["add", "sub", "mul"]},
-        "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 2},
-        "m": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False},
-    },
-    "required": ["id", "op", "xs", "m"],
-    "additionalProperties": False,
-}
-CHOICES = ("forty-two", "seven", 'say "no"')
-REGEX = r"[0-9]{3}-[a-z]{2,4}"
-GRAMMAR = 'root ::= "x=" [0-9]+ (" + " [0-9]+)* "."'
-NUM_SCHEMA = 100
-pytestmark = pytest.mark.xdist_group("structured")  # one worker serves the module's requests
+pytestmark = pytest.mark.xdist_group("sampling")  # sampling_runs' engines are built once, on one worker
 
 
-def requests():
-    """100 JSON-schema requests (odd: greedy; even: seeded at temperature 0.8), then one each of choice, regex and
-    EBNF, and two unconstrained greedy ones."""
-    problems = task.take("test", NUM_SCHEMA + 5)
-    schema = StructuredOutputsParams(json=SCHEMA)
-    sps = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=60, structured_outputs=schema)
-           for i in range(NUM_SCHEMA)]
-    sps += [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(**kw))
-            for kw in (dict(choice=CHOICES), dict(regex=REGEX), dict(grammar=GRAMMAR))]
-    sps += [SamplingParams(temperature=0, max_tokens=40)] * 2
-    return [p.question[:48] for p in problems], sps  # short prompts: the outputs are what is tested
-
-
-def serve(K: int, alone: bool = False):
-    """The requests' outputs with K drafts (and, alone, those of the unconstrained two without the others)."""
-    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512, dtype="float32",
-                          precompile=False, num_speculative_tokens=K)
-    with LLM(str(default_checkpoint()), config) as llm:
-        prompts, sps = requests()
-        batch = llm.generate(prompts, sps, use_tqdm=False)
-        return batch, llm.generate(prompts[-2:], sps[-2:], use_tqdm=False) if alone else None
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def outputs():
-    return {0: serve(0, alone=True), 2: serve(2)}
+    """{K: (structured_requests' outputs, the unconstrained two served alone (K = 0) or None)}."""
+    return {K: (served(K)["structured"], served(K).get("alone")) for K in (0, 2)}
 
 
 @pytest.mark.parametrize("K", [0, 2])
@@ -102,8 +63,8 @@ def test_a_launch_masks_each_verify_position_after_the_drafts_before_it():
     vocab = ["a", "b", "c", "<eos>"]
     info = xgr.TokenizerInfo(vocab, vocab_size=4, stop_token_ids=[3])
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar('root ::= "ab" [c]*'))
-    row = type("Row", (), dict(samples=True, spec_tokens=[0, 2, 2],
-                               request=type("Req", (), dict(grammar=matcher))()))()
+    masks = HostMasks(matcher, stop_ids=[3], min_tokens=0, bad_words=[], outputs=[])
+    row = type("Row", (), dict(samples=True, spec_tokens=[0, 2, 2], request=type("Req", (), dict(host_masks=masks))()))()
     mask = launch_bitmask([row], 2, 4, 4)
     bits = lambda r: [t for t in range(4) if mask[r, 0] >> t & 1]  # noqa: E731
     assert bits(0) == [0]  # "a" first
@@ -111,8 +72,15 @@ def test_a_launch_masks_each_verify_position_after_the_drafts_before_it():
     assert bits(2) == [0, 1, 2, 3]  # draft "c" is outside the grammar: the window stops there, later rows unused
     assert all(mask[4:].ravel() == -1)  # the padding row
     assert matcher.accept_token(0) and matcher.accept_token(1)  # the matcher was rolled back
-    free = type("Row", (), dict(samples=True, spec_tokens=[], request=type("Req", (), dict(grammar=None))()))()
+    free = type("Row", (), dict(samples=True, spec_tokens=[], request=type("Req", (), dict(host_masks=None))()))()
     assert launch_bitmask([free], 1, 4, 4) is None  # no constrained row: the launch's program has no mask
+    rules = HostMasks(None, stop_ids=[3], min_tokens=2, bad_words=[(0, 1), (2,)], outputs=[0])
+    row.request.host_masks, row.spec_tokens = rules, [0, 1]
+    mask = launch_bitmask([row], 1, 4, 4)
+    assert bits(0) == [0]  # after "a": "b" completes the bad word "ab", "c" is one, EOS waits for 2 outputs
+    assert bits(1) == [0, 3]  # after draft "a" (2 outputs): EOS allowed, "b" still not
+    assert bits(2) == bits(3) == [0, 1, 2, 3]  # draft "b" is refused there: the window ends
+    assert rules.history == [0]
 
 
 @pytest.mark.parametrize("kw, problem", [

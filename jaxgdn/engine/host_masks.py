@@ -106,8 +106,9 @@ def launch_bitmask(rows, num_rows: int, width: int, vocab_size: int) -> np.ndarr
     for b, row in masked:
         m, accepted = row.request.host_masks, 0
         m.ban(mask, b * width)
-        for draft in row.spec_tokens:
-            if draft < 0 or m.is_terminated() or not m.accept_token(int(draft)):  # (-1: a prompt tail's placeholder)
+        for draft in row.spec_tokens:  # (-1: a prompt tail's placeholder; a draft the last mask refuses ends it)
+            allowed_there = draft >= 0 and mask[b * width + accepted, draft // 32] >> (draft % 32) & 1
+            if not allowed_there or not m.accept_token(int(draft)):
                 break
             accepted += 1
             m.fill_next_token_bitmask(mask, b * width + accepted)

@@ -26,10 +26,10 @@ from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput,
 from .runner import ModelRunner, enable_compilation_cache
 from .scheduler import InFlight, Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
-from .step_layout import BlockTables, StepArrays, StopTable, build_step, empty_step, pack_step_arrays
+from .step_layout import BlockTables, StepArrays, StopTable, build_step, program_layout
 from .logprobs import launch_sampler, record_prompt, record_sampled
 from .host_masks import attach_host_masks, launch_bitmask, needs_host_masks
-from .penalties import penalized, penalty_arrays, seed
+from .penalties import penalty_arrays, seed_admitted
 from .structured import Grammars
 from .placement import Placement
 from .prefix_cache import PrefixCache
@@ -125,18 +125,15 @@ class LLMEngine:
         (abstract: only its shapes matter)."""
         tokens = self.programs.token_buckets[-1]
         shape = StepShape(tokens, self.programs.rows_for(tokens))
-        compiled = self.runner.compile_on(self._layout(shape), True, state)
+        compiled = self.runner.compile_on(program_layout(shape, self.ecfg, self.block_q), True, state)
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs
     def program_keys(self, sampled: bool = True) -> list[tuple]:
         """The runner's keys of every step program this engine may run: each shape of `programs`, greedy
         and (sampled) with temperature rows."""
-        return [(self._layout(shape), sampler, shape.num_steps, shape.width)
+        return [(program_layout(shape, self.ecfg, self.block_q), sampler, shape.num_steps, shape.width)
                 for shape in self.programs.all_shapes() for sampler in range(1 + sampled)]
-
-    def _layout(self, shape: StepShape) -> tuple:
-        return pack_step_arrays(empty_step(shape, self.ecfg, self.block_q))[1]
 
     def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
         """Compile every step program now (see program_keys); later compiles count as compiles after
@@ -162,9 +159,8 @@ class LLMEngine:
         rid = next(self._ids)
         req = Request(rid, list(prompt_token_ids), params, RequestMetrics(arrival_time=time.perf_counter()))
         self.requests[rid] = req
-        error = (error or self.validate(req.prompt_token_ids, params)
-                 or (attach_host_masks(req, self.grammars, self.cfg.eos_token_ids)
-                     if self.samples_outputs else None))
+        error = error or self.validate(req.prompt_token_ids, params) or (
+            self.samples_outputs and attach_host_masks(req, self.grammars, self.cfg.eos_token_ids)) or None
         if error:
             req.error = error
             req.status = RequestStatus.FINISHED
@@ -272,9 +268,8 @@ class LLMEngine:
         for row in out.rows:
             self.slot_prefill_len[row.request.slot] = row.request.prefill_len
             self._admitted(row.request)
-            if self.samples_outputs and not row.request.launched and penalized(row.request.sampling_params):
-                outputs = [t for t in row.request.output_token_ids if t >= 0]
-                self.runner.state = seed(self.runner.state, row.request.slot, row.request.prompt_token_ids, outputs)
+        if self.samples_outputs:  # the penalties' counts of newly admitted requests' slots
+            self.runner.state = seed_admitted(self.runner.state, out.rows)
         self.runner.state = self.prefix_caching.before(out.rows, self.runner.state)
         t0 = time.perf_counter()
         rows = out.rows

@@ -94,6 +94,15 @@ def _seed(counts, prompt_bits, slot, ids, num_prompt, num_tokens):
     return counts.at[slot].set(outputs), prompt_bits.at[slot].set(bits)
 
 
+def seed_admitted(state, rows):
+    """state with the slots of the rows' penalized requests that were just admitted (no row built yet) seeded."""
+    for row in rows:
+        req = row.request
+        if not req.launched and penalized(req.sampling_params):
+            state = seed(state, req.slot, req.prompt_token_ids, [t for t in req.output_token_ids if t >= 0])
+    return state
+
+
 def seed(state, slot: int, prompt: list[int], outputs: list[int]):
     """state with slot's counts set to outputs' and its prompt bits to prompt's tokens (a request's admission)."""
     ids = list(prompt) + list(outputs)

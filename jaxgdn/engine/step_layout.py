@@ -192,6 +192,11 @@ def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays
     return build_step([], shape, ecfg, np.zeros(ecfg.num_slots, np.int32), tables, block_q)
 
 
+def program_layout(shape: StepShape, ecfg: EngineConfig, block_q: int) -> tuple:
+    """The static layout of a program of `shape` whose launches carry no bitmask or penalties."""
+    return pack_step_arrays(empty_step(shape, ecfg, block_q))[1]
+
+
 def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
     """All of a step's host arrays as one int32 buffer (one host-to-device copy instead of ~20 small ones)
     and its static layout ((name, shape, dtype), ...). float32/uint32 travel bit-cast, bools as 0/1."""
