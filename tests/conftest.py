@@ -45,3 +45,20 @@ def _release_compiled_programs():
         runner.clear_compiled_programs()
         helpers._naive_fwd.clear()
         jax.clear_caches()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep each xdist_group on one worker under --dist loadgroup: pytest-xdist names a test's group by rewriting
+    item._nodeid, which pytest 9 no longer reads (a node's id lives in item._id), so every group was split."""
+    if not getattr(config.option, "loadgroup", False):  # (set on xdist workers under --dist loadgroup)
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # an older pytest: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")

@@ -1,6 +1,7 @@
 """The shipped model's requests and engines for tests/test_structured.py and tests/test_penalties.py: one engine per
 K (0 and 2) serves both modules' requests in one batch (building engines and their programs is most of these tests'
-time). The two modules share the xdist group "sampling", so one worker builds them, once."""
+time). The two modules are in the xdist group "serve": one worker builds the engines once, and never while the
+server's latency tests run (both are heavy on a two-core machine)."""
 
 import functools
 

@@ -26,6 +26,7 @@ def test_twenty_engines_of_different_configurations_built_and_closed(tmp_path):
     prompt, sp = [3, 4, 5], SamplingParams(temperature=0, max_tokens=4)
     gc.collect()
     arrays_before, maps = len(jax.live_arrays()), []
+    programs_before = set(runner._COMPILED.keys())  # those of engines other tests on this worker still hold
     want = None
     for i in range(20):
         config = EngineConfig(max_num_seqs=2 + i % 5, max_num_batched_tokens=16 * (1 + i % 4),
@@ -41,7 +42,7 @@ def test_twenty_engines_of_different_configurations_built_and_closed(tmp_path):
         del llm
         gc.collect()
         assert len(jax.live_arrays()) == arrays_before  # weights, pools and buffers freed
-        assert not runner._COMPILED  # no program outlives the engines that used it
+        assert set(runner._COMPILED.keys()) <= programs_before  # no program outlives the engines that used it
         maps.append(mapped_regions())
     # the compiled programs' memory mappings do not pile up: the last ten engines add almost none
     assert maps[-1] - maps[9] < 200, maps

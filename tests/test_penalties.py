@@ -12,7 +12,7 @@ from sampling_runs import PENALTY_CASES, served
 from jaxgdn.engine import penalties
 from jaxgdn.engine.request import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("sampling")  # sampling_runs' engines are built once, on one worker
+pytestmark = pytest.mark.xdist_group("serve")  # sampling_runs builds its engines once, on the server tests' worker
 
 
 def reference_penalize(logits, prompt, outputs, sp):

@@ -15,7 +15,7 @@ from jaxgdn.engine.host_masks import HostMasks, launch_bitmask
 from jaxgdn.engine.request import SamplingParams
 from jaxgdn.engine.structured import StructuredOutputsParams
 
-pytestmark = pytest.mark.xdist_group("sampling")  # sampling_runs' engines are built once, on one worker
+pytestmark = pytest.mark.xdist_group("serve")  # sampling_runs builds its engines once, on the server tests' worker
 
 
 @pytest.fixture(scope="session")
