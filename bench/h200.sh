@@ -4,7 +4,7 @@
 #   pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
 #     -d gpu_wheels fastapi uvicorn httptools uvloop aiohttp             (the server and its benchmark client)
 #   bash bench/h200.sh [STEP ...]     steps: tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed
-#                                     serve-http serve-prefix serve-sampling serve-pd-mtp decode prefill spec kernels pd;
+#                                     serve-http serve-prefix serve-sampling serve-pd-mtp serve-pd-http decode prefill spec kernels pd;
 #                                     on two GPUs (device kind
 #                                     nvidia-h200-x2), not in the default list: tp-9b tp-27b
 # Default: every step in that order. A device call allows 600 s, so pass one to three steps per call.
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:.:tests HOME=/tmp TRITON_CACHE_DIR=/tmp/triton PYTHO
 export JAXGDN_CACHE_DIR=${JAXGDN_CACHE_DIR:-/tmp/jaxgdn-cache}
 dest=${OUT:-bench/results}
 stamp=$(date -u +%Y%m%d)
-steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-prefix serve-sampling serve-pd-mtp decode prefill spec kernels pd}
+steps=${*:-tests-engine tests-verify tests-kernels tests-gdn serve serve-mixed serve-http serve-prefix serve-sampling serve-pd-mtp serve-pd-http decode prefill spec kernels pd}
 
 # gpu_tests NAME LIMIT SELECTION: one slice of `pytest -m gpu`, its log kept beside the results (-v so a cut
 # run still names what passed)
@@ -71,9 +71,25 @@ for step in $steps; do
       timeout 190 python3 -m jaxgdn.bench serve $f --out "$dest/serve-sampling-off_gpu_$stamp.json"
       timeout 170 python3 -m jaxgdn.bench serve $f --logprobs 5 --out "$dest/serve-logprobs-5_gpu_$stamp.json"
       timeout 220 python3 -m jaxgdn.bench serve $f --json-schema --out "$dest/serve-json-schema_gpu_$stamp.json" ;;
-    # PD + MTP K = 2 at the default configuration, both workers on the one GPU
-    serve-pd-mtp) timeout 500 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
+    # PD + MTP K = 2 at the default configuration, both workers on the one GPU, then the colocated engine on the
+    # same workload (bench serve --pd runs both: the ratio, handoff bytes and copy times)
+    serve-pd-mtp) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
       --num-speculative-tokens 2 --no-peer --out "$dest/serve-pd-mtp_gpu_$stamp.json" ;;
+    # the same workload over HTTP through the two PD servers (--role prefill / decode) sharing the GPU
+    serve-pd-http)
+      export JAXGDN_CACHE_DIR=/tmp/jaxgdn-pd-http-cache
+      f="--model qwen3.5-0.8b --num-speculative-tokens 2 --gpu-memory-utilization 0.42"
+      python3 -m jaxgdn.serve --role prefill --port 8100 $f > /tmp/pd-prefill.txt 2>&1 &
+      prefill=$!
+      python3 -m jaxgdn.serve --role decode --port 8000 --prefill-url http://127.0.0.1:8100 $f > /tmp/pd-decode.txt 2>&1 &
+      decode=$!
+      for port in 8100 8000; do
+        for _ in $(seq 400); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done; done
+      grep -h "start-up" /tmp/pd-prefill.txt /tmp/pd-decode.txt
+      timeout 300 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b --num-prompts 1000 \
+        --http-repeat 0 --out "$dest/serve-pd-http_gpu_$stamp.json"
+      curl -s http://127.0.0.1:8100/metrics | grep -E "^jaxgdn_(xla_)?compiles"
+      kill $prefill $decode; wait $prefill $decode; tail -n 3 /tmp/pd-prefill.txt /tmp/pd-decode.txt ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" ;;
     prefill) timeout 300 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" ;;

@@ -17,7 +17,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .engine.structured import Grammars
 from .engine.tensor_parallel import make_mesh
-from .engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from .engine.workers import STAGED_HANDOFFS, DecodeWorker, PrefillWorker, run_disaggregated
 from .model.checkpoint import load_checkpoint
 from .model.config import PRESETS, ModelConfig
 from .model.params import ModelParams, init_random_params, serving_layout
@@ -54,7 +54,7 @@ class LLM:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config or EngineConfig()
         if role != "both" and not self.config.pd:
-            self.config = self.config.replace(pd=True)  # one side of a PD pair: no async scheduling
+            self.config = self.config.replace(pd=True)  # one side of a PD pair
         self.role = role
         t0 = time.perf_counter()
         self.model_config, params, self.tokenizer = load_model(model, self.config)
@@ -84,10 +84,13 @@ class LLM:
             reserved = self.prefill_worker.memory.step_peak if self.prefill_worker is not None and same else 0
             self.engine = DecodeWorker(params, self.model_config, self.config,
                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
-                                       decode=decode, memory_reserved=reserved, **place(self.config.decode_device))
+                                       decode=decode, memory_reserved=reserved, **place(self.config.decode_device),
+                                       staged_handoffs=STAGED_HANDOFFS if role == "decode" else 0)
         elif not self.config.pd:
             self.engine = LLMEngine(params, self.model_config, self.config,
                                     garbage_seed=garbage_seed, decode=decode)
+        if isinstance(self.engine, DecodeWorker):
+            self.engine.connect(self.prefill_worker, handoff_transport)
         plan_times.__exit__()
         if self.tokenizer is not None:  # structured output's grammars over the tokenizer's vocabulary
             grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -118,14 +121,19 @@ class LLM:
         self.close()
 
     def precompile(self, use_tqdm: bool = True) -> int:
-        """Compile every step program of the engine(s) now, with a progress bar and a log line; returns how
-        many were compiled. (A PD prefill worker's steps never sample: its greedy programs only.)"""
+        """Compile every step and state copy program of the engine(s) now, with a progress bar and a log line;
+        returns how many step programs were compiled. (A PD prefill worker's steps never sample: its greedy and
+        prompt-scoring programs only.)"""
         t0 = time.perf_counter()
-        keys = {id(e): e.program_keys(sampled=e is not self.prefill_worker) for e in self.engines}
-        total = sum(map(len, keys.values()))
+        # a PD prefill worker samples nothing; it scores prompts for prompt_logprobs
+        roles = {id(e): dict(sampled=e is not self.prefill_worker, prompt_logprobs=e is self.prefill_worker)
+                 for e in self.engines}
+        total = sum(len(e.program_keys(**roles[id(e)])) + e.num_copy_programs() for e in self.engines)
         with tqdm(total=total, desc="compile", unit="program", disable=not use_tqdm) as bar, CompileTimes() as times:
-            compiled = sum(e.precompile(bar.update, sampled=e is not self.prefill_worker) for e in self.engines)
-        self.startup |= {"precompile_s": time.perf_counter() - t0, "programs": compiled, "precompile": times.summary()}
+            compiled = sum(e.precompile(bar.update, **roles[id(e)]) for e in self.engines)
+        copies = sum(e.num_copy_programs() for e in self.engines)
+        self.startup |= {"precompile_s": time.perf_counter() - t0, "programs": compiled, "copy_programs": copies,
+                         "precompile": times.summary()}
         return compiled
 
     @property

@@ -69,6 +69,25 @@ def test_two_process_pd_mtp_equals_one_process_and_the_bug_diverges_at_8_only(pd
     assert diverged > 0
 
 
+def test_two_precompiled_pd_processes_compile_nothing_after_start_up(baseline):
+    """The PD pair started as deployed (every program compiled at start-up): over HTTP at concurrency 8 they serve
+    the baseline's tokens, with no JAX compile event in either process after start-up (their /metrics), and the
+    prefill server holds no page or slot once every handoff was fetched."""
+    from jaxgdn.bench.serve_http import _metric
+
+    args = [a for a in SERVE_ARGS if a not in ("--precompile", "off")]
+    prefill_port = free_port()
+    prefill_url = f"http://127.0.0.1:{prefill_port}"
+    with serve_processes(["--role", "prefill", "--port", str(prefill_port), *args],
+                         ["--role", "decode", "--prefill-url", prefill_url, *args]) as (_, decode):
+        assert complete(decode, 8) == baseline.token_ids
+        for url in (prefill_url, decode):
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            assert _metric(metrics, "jaxgdn_xla_compiles_after_startup") == 0, url
+            assert _metric(metrics, "jaxgdn_compiles_after_startup") == 0, url
+            assert _metric(metrics, "jaxgdn_gdn_slots_used") == 0, url
+
+
 def test_bad_handoffs_fail_their_request_only(pd_servers, baseline):
     """Handoff bytes pushed to the decode server's /v1/handoff: cut short, or from another configuration (a
     different fingerprint), get a 400 naming the problem; the intact bytes are served."""

@@ -72,6 +72,17 @@ def test_tp_tokens_equal_single_device():
     assert_same_as_tp1(settings, child_tokens(settings))
 
 
+def test_tp2_pd_copies_handoffs_in_place_and_compiles_nothing_after_start_up():
+    """A precompiled PD + MTP pair on one TP=2 mesh (handoffs copied from the prefill worker's sharded pools into the
+    decode worker's): TP 1's tokens, and no JAX compile event while serving."""
+    run = subprocess.run([sys.executable, str(HERE / "tp_child.py"), "pd-compiles"], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["tokens"][0] == got["tokens"][1] and all(len(out) == 10 for out in got["tokens"][1])
+    assert got["compiles"] == [0, 0]
+
+
 @pytest.mark.slow
 def test_tp_tokens_mtp_alone_pd_alone_and_kernels():
     settings = (grid((1, 2, 4), 2, False) + grid((1, 2, 4), 0, True) + grid((1, 2), 0, False)

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import small_config  # noqa: E402
 
+from jaxgdn.engine.compile_times import CompileEvents  # noqa: E402
 from jaxgdn.engine.config import EngineConfig  # noqa: E402
 from jaxgdn.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxgdn.engine.request import SamplingParams  # noqa: E402
@@ -69,7 +70,15 @@ def serve(setting: dict) -> list[list[int]]:
         decode_at = {"mesh": make_mesh(jax.devices()[start:], setting["tp"])} if setting["tp"] > 1 else {}
         prefill = PrefillWorker(weights, cfg, ecfg, memory_share=0.5 if not start else 1.0)
         engine = DecodeWorker(weights, cfg, ecfg, **decode_at)
+        if setting.get("precompile"):  # as LLM(...) starts a PD pair: handoffs copied in place on one mesh
+            engine.connect(prefill, "bytes" if setting.get("bytes") else "object")
+            prefill.precompile(sampled=False, prompt_logprobs=True)
+            engine.precompile()
+            events = CompileEvents().start()
         ids = run_disaggregated(prefill, engine, prompts, params, transport_bytes=setting.get("bytes", False))
+        if setting.get("precompile"):
+            events.stop()
+            COMPILES.append(events.count)
     return [list(engine.requests[i].output_token_ids) for i in ids]
 
 
@@ -133,8 +142,14 @@ def collective_counts() -> dict:
     return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "counts": counts}
 
 
+COMPILES: list[int] = []  # JAX compile events while serving, of each precompiled PD setting
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "head":
         print(json.dumps({**head_checks(), "collectives": collective_counts()}))
+    elif sys.argv[1] == "pd-compiles":  # precompiled PD pairs on one mesh: tokens, and compiles while serving
+        settings = [{"tp": tp, "K": 2, "pd": True, "precompile": True} for tp in (1, 2)]
+        print(json.dumps({"tokens": [serve(s) for s in settings], "compiles": COMPILES}))
     else:
         print(json.dumps([serve(s) for s in json.loads(sys.argv[1])]))

@@ -83,6 +83,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     PD (llm.prefill_worker) a prompt goes to the prefill worker and its handoff to the decode worker, the two
     stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
+    from ..engine.workers import step_pair
 
     eng, prefill = llm.engine, llm.prefill_worker
     llm.reset_prefix_cache()  # hits come from this run's own requests
@@ -95,6 +96,16 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     done: dict[int, tuple[float, list[float]]] = {}
     rid_of: dict[int, int] = {}  # request number -> its id in the (decode) engine
     in_prefill: dict[int, int] = {}  # prefill worker's id -> request number
+    handoff_bytes: list[int] = []
+
+    def route(handoffs) -> None:  # PD: a prompt's handoff to the decode worker
+        for h in handoffs:
+            prefill.forget(h.request_id)
+            handoff_bytes.append(h.nbytes)
+            rid_of[in_prefill.pop(h.request_id)] = eng.submit(h)
+
+    for e in llm.engines:
+        e.copies.handoff_seconds.clear()
     t0 = time.perf_counter()
 
     def stamp(now: float) -> None:
@@ -122,12 +133,9 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
             else:
                 rid_of[i] = eng.add_request(prompt, sp)
             live[i] = (max(arrival, now), [])
-        if prefill is not None and prefill.has_unfinished:
-            prefill.step()
-            for h in prefill.pop_handoffs():
-                prefill.forget(h.request_id)
-                rid_of[in_prefill.pop(h.request_id)] = eng.submit(h)
-        if eng.has_unfinished:
+        if prefill is not None and (prefill.has_unfinished or eng.has_unfinished):
+            step_pair(prefill, eng, route)
+        elif eng.has_unfinished:
             eng.step()
         elif live and not in_prefill:
             eng.flush()  # async scheduling: the tokens of requests that all finished
@@ -150,11 +158,63 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     after = llm.metrics()
     looked_up = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     found = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    return {"wall_s": wall, "requests": len(requests), "finished": len(done), "errors": errors,
+    out = {"handoffs": handoff_stats(llm, handoff_bytes)} if prefill is not None else {}
+    return {**out, "wall_s": wall, "requests": len(requests), "finished": len(done), "errors": errors,
             "prefix_cache_hit_rate": found / looked_up if looked_up else None, "prefix_cache_hit_tokens": found,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
             "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl)}
+
+
+def handoff_stats(llm, nbytes: list[int]) -> dict:
+    """PD: the handoffs of a run: count, bytes per request, and the host's ms per request for each copy kind (the
+    dispatch of an in-process transfer, an import or an export; the device runs them behind the steps)."""
+    seconds: dict[str, list[float]] = {}
+    for e in llm.engines:
+        for kind, s in e.copies.handoff_seconds:
+            seconds.setdefault(kind, []).append(s * 1e3)
+    return {"count": len(nbytes), "bytes": _percentiles(nbytes),
+            **{f"{kind}_ms": _percentiles(v) for kind, v in sorted(seconds.items())}}
+
+
+def handoff_device_ms(llm, length: int, repeats: int = 20) -> dict:
+    """PD: device ms of one handoff of a `length`-token prompt, copied from the prefill worker's pools into free
+    pages and a free slot of the decode worker's, replayed `repeats` times and synchronised (an idle engine pair)."""
+    import jax
+
+    from ..engine.request import SamplingParams
+    from ..engine.state_copies import HandoffImport, HandoffTransfer
+
+    prefill, eng = llm.prefill_worker, llm.engine
+    rng = np.random.default_rng(length)
+    prefill.submit([int(t) for t in rng.integers(0, llm.model_config.vocab_size, length)],
+                   SamplingParams(temperature=0, max_tokens=1))
+    while prefill.has_unfinished:
+        prefill.step()
+    (h,) = prefill.pop_handoffs()
+    n = h.num_pages(eng.ecfg.kv_page_size)
+    (slot,), pages = eng.scheduler.slots.allocate(1), eng.scheduler.pages.allocate(n)
+    try:
+        parked = h.source
+        if eng.source is not None:
+            op = HandoffTransfer(prefill.runner, parked.request.slot, tuple(parked.request.pages[:n]), slot,
+                                 tuple(pages), h.num_computed)
+        else:
+            h.export()
+            op = HandoffImport(eng.copies.stage(h.arrays, n), slot, tuple(pages), h.num_computed)
+        times = []
+        for _ in range(repeats + 2):
+            jax.block_until_ready(eng.runner.state)
+            t0 = time.perf_counter()
+            eng.runner.state = eng.copies.run(eng.runner.state, [op])
+            jax.block_until_ready(eng.runner.state)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"prompt_len": length, "bytes": h.nbytes, "kind": type(op).__name__, **_percentiles(times[2:])}
+    finally:
+        eng.scheduler.slots.free([slot])
+        eng.scheduler.pages.free(pages)
+        if h.source is not None:
+            h.source.release()
 
 
 def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:
@@ -240,6 +300,9 @@ def child_run(args) -> dict:
         with prefix_caching_off(llm):  # the same engine and programs, the cache left unused
             out["warm_no_prefix_caching"] = run()
     out["compiles_after_startup"] = llm.compiles_after_startup
+    if llm.prefill_worker is not None:
+        lengths = sorted(len(p) for p, _ in requests if len(p) > 1)
+        out["handoff_device_ms"] = [handoff_device_ms(llm, n) for n in (lengths[len(lengths) // 2], lengths[-1])]
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     eng = llm.engine
@@ -334,6 +397,12 @@ def bench_serve(args) -> dict:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxgdn-serve-cache-")
     cold = _child(args, "workload", cache_dir)
     warm_start = None if args.cache_dir else _child(args, "startup", cache_dir)
+    colocated = None
+    if args.pd:  # the same workload on the colocated engine, on the same device, for the ratio
+        import argparse
+
+        plain = argparse.Namespace(**{**vars(args), "pd": False})
+        colocated = _child(plain, "workload", args.cache_dir or tempfile.mkdtemp(prefix="jaxgdn-serve-cache-"))
     payload = {"benchmark": "serve", "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
                **({"prefix_len": args.prefix_len} if args.dataset == "prefix" else {}),
                **({"num_turns": args.num_turns} if args.dataset == "multiturn" else {}),
@@ -344,6 +413,9 @@ def bench_serve(args) -> dict:
                    "gpu_memory_utilization", "decode_steps_per_launch", "library_gemms_min_tokens", "pd",
                    "enable_prefix_caching")},
                "cold_process": cold}
+    if colocated is not None:
+        payload["colocated_process"] = colocated
+        payload["pd_over_colocated_warm_wall"] = cold["warm"]["wall_s"] / colocated["warm"]["wall_s"]
     if warm_start is None:
         payload["note"] = f"one process on the compilation cache {args.cache_dir} as earlier runs left it"
     else:
@@ -356,6 +428,14 @@ def bench_serve(args) -> dict:
           f"warm {w['wall_s']:.2f} s: {w['total_tokens_per_s']:.0f} tok/s total, {w['output_tokens_per_s']:.0f} out, "
           f"{w['fraction_of_bound']:.0%} of the bound; TTFT p50 {w['ttft_ms']['p50']:.0f} ms, TPOT p50 "
           f"{w['tpot_ms']['p50']:.1f} ms; compiles after start-up {cold['compiles_after_startup']}", flush=True)
+    if colocated is not None:
+        c, hs = colocated["warm"], w["handoffs"]
+        ms = lambda kind: "-" if not hs.get(kind) else f"{hs[kind]['p50']:.3f} / {hs[kind]['p99']:.3f}"  # noqa: E731
+        print(f"PD warm {w['wall_s']:.2f} s vs colocated {c['wall_s']:.2f} s: "
+              f"{payload['pd_over_colocated_warm_wall']:.2f}x the wall, {w['total_tokens_per_s'] / c['total_tokens_per_s']:.2f}x "
+              f"the tokens/s; {hs['count']} handoffs of {hs['bytes']['p50'] / 1e6:.2f} MB median, host ms per handoff "
+              f"p50 / p99: transfer {ms('transfer_ms')}, import {ms('import_ms')}, export {ms('export_ms')}; device ms "
+              + ", ".join(f"{d['prompt_len']} tokens {d['p50']:.3f}" for d in cold["handoff_device_ms"]), flush=True)
     if "warm_no_prefix_caching" in cold:
         off = cold["warm_no_prefix_caching"]
         print(f"prefix cache: hit rate {w['prefix_cache_hit_rate']:.0%}, warm {w['wall_s']:.2f} s, TTFT p50 "

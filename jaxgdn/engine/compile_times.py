@@ -73,6 +73,44 @@ def startup_line(phases: dict) -> str:
     line = (f"start-up {phases.get('total_s', 0):.1f} s: weights {phases['weights_s']:.1f} s, memory plan "
             f"{phases['plan_s']:.1f} s ({work(phases['plan'])})")
     if "precompile_s" in phases:
-        line += (f", {phases['programs']} step programs {phases['precompile_s']:.1f} s ({work(phases['precompile'])}; "
+        copies = f" and {phases['copy_programs']} state copy programs" if phases.get("copy_programs") else ""
+        line += (f", {phases['programs']} step programs{copies} {phases['precompile_s']:.1f} s "
+                 f"({work(phases['precompile'])}; "
                  f"compiles run on several threads)")
     return line
+
+
+COMPILE_EVENT_PREFIX = "/jax/core/compile/"  # JAX's tracing, lowering and compiling events
+
+
+class CompileEvents:
+    """Counts JAX's compile events (tracing, lowering, compiling) in the process from `start()` on: a program built
+    after an engine's start-up shows here whatever built it (a step or copy program, an eager op of a new shape)."""
+
+    def __init__(self):
+        self.count = 0
+        self.names: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event.startswith(COMPILE_EVENT_PREFIX):
+            with self._lock:
+                self.count += 1
+                self.names[event] += 1
+
+    def start(self) -> "CompileEvents":
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        return self
+
+    def stop(self) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+
+    def __enter__(self) -> "CompileEvents":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

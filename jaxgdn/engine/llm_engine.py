@@ -19,7 +19,7 @@ from ..model.config import ModelConfig
 from ..model.params import ModelParams, serving_layout
 from ..model.policy import KernelPolicy
 from .config import EngineConfig
-from .memory import device_memory, plan_memory
+from .memory import device_memory, handoff_bytes, plan_memory
 from .programs import ProgramSet, StepShape
 from .request import (PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, RowKind, SamplingParams,
                       validate_request)
@@ -27,15 +27,16 @@ from .runner import ModelRunner, enable_compilation_cache
 from .scheduler import InFlight, Scheduler, SchedulerOutput
 from .state import init_engine_state, init_snapshots
 from .step_layout import BlockTables, StepArrays, StopTable, build_step, program_layout
-from .logprobs import launch_sampler, record_prompt, record_sampled
+from .logprobs import Sampler, launch_sampler, record_prompt, record_sampled
 from .host_masks import attach_host_masks, launch_bitmask, needs_host_masks
 from .penalties import penalty_arrays, seed_admitted
 from .structured import Grammars
 from .placement import Placement
 from .prefix_cache import PrefixCache
-from .snapshots import PrefixCaching, SnapshotCopier
+from .snapshots import PrefixCaching
+from .state_copies import COPIES, StateCopies
 from .spec_decode import SpecCounters
-from .tensor_parallel import local_config
+from .tensor_parallel import conv_channel_order, local_config
 
 
 class LLMEngine:
@@ -82,7 +83,8 @@ class LLMEngine:
         # a shard's pools are its heads' share: the per-device plan is the local config's
         self.memory = plan_memory(self.step_cfg, ecfg, with_mtp, device_memory(self.device),
                                   lambda pages: self._step_peak(self.placement.abstract_state(lambda: new_state(pages))),
-                                  memory_share, memory_reserved, snapshots=caching)
+                                  memory_share, memory_reserved, snapshots=caching,
+                                  copy_peak=self.copy_peak(with_mtp), staged=self.staged(with_mtp))
         num_pages = self.memory.num_kv_pages
         if num_pages - 1 < ecfg.max_pages_per_seq:
             raise ValueError(
@@ -96,11 +98,11 @@ class LLMEngine:
         self.scheduler = Scheduler(ecfg, num_pages, self.prefix)
         self.runner.state = self.placement.make_state(lambda: new_state(num_pages, garbage_seed),
                                                       host_drawn=garbage_seed is not None)
-        copier = None
-        if num_snapshots:
-            snapshots = self.placement.make_state(lambda: init_snapshots(cfg, ecfg, num_snapshots))
-            copier = SnapshotCopier(cfg, snapshots, self.runner.buffer_sharding)
-        self.prefix_caching = PrefixCaching(self.prefix, copier)
+        snapshots = self.placement.make_state(lambda: init_snapshots(cfg, ecfg, num_snapshots)) if num_snapshots else ()
+        tp = ecfg.tensor_parallel_size
+        self.copies = StateCopies(cfg, ecfg.max_pages_per_seq, self.runner.buffer_sharding, snapshots,
+                                  conv_channel_order(cfg, tp) if tp > 1 else None)
+        self.prefix_caching = PrefixCaching(self.prefix, self.copies, bool(num_snapshots))
         self.slot_prefill_len = np.zeros(ecfg.num_slots, np.int32)
         self.stop_table = StopTable(ecfg.num_slots, cfg.eos_token_ids)
         self.requests: dict[int, Request] = {}
@@ -120,6 +122,15 @@ class LLMEngine:
         self.num_launches = 0
         self.closed = False
 
+    def copy_peak(self, with_mtp: bool) -> int:
+        """Bytes the largest state copy program this engine runs gathers (page copies and snapshots; a PD worker's
+        handoffs)."""
+        return handoff_bytes(self.step_cfg, self.ecfg, with_mtp, COPIES, COPIES)
+
+    def staged(self, with_mtp: bool) -> tuple[int, int]:
+        """(handoffs held on the device ahead of their import at most, bytes of one): a PD decode server's."""
+        return 0, 0
+
     def _step_peak(self, state) -> int:
         """Bytes of the temporaries of the largest ragged step program (sampled), compiled on `state`
         (abstract: only its shapes matter)."""
@@ -129,26 +140,45 @@ class LLMEngine:
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs
-    def program_keys(self, sampled: bool = True) -> list[tuple]:
-        """The runner's keys of every step program this engine may run: each shape of `programs`, greedy
-        and (sampled) with temperature rows."""
-        return [(program_layout(shape, self.ecfg, self.block_q), sampler, shape.num_steps, shape.width)
-                for shape in self.programs.all_shapes() for sampler in range(1 + sampled)]
+    def program_keys(self, sampled: bool = True, prompt_logprobs: bool = False) -> list[tuple]:
+        """The runner's keys of every step program this engine may run: each shape of `programs`, greedy, (sampled)
+        with temperature rows, and (prompt_logprobs) scoring every prompt token (a PD prefill worker's)."""
+        samplers = [Sampler.GREEDY] + [Sampler.SAMPLE] * sampled + [Sampler.PROMPT_LOGPROBS] * prompt_logprobs
+        return [(program_layout(shape, self.ecfg, self.block_q), int(sampler), shape.num_steps, shape.width)
+                for shape in self.programs.all_shapes() for sampler in samplers]
 
-    def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
-        """Compile every step program now (see program_keys); later compiles count as compiles after
-        start-up (`compiles_after_startup`). Returns the number compiled."""
+    def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True,
+                   prompt_logprobs: bool = False) -> int:
+        """Compile every step program now (see program_keys) and the state copy programs this engine runs
+        (copy_programs); later compiles count as compiles after start-up (`compiles_after_startup`). Returns the
+        number of step programs compiled."""
         before = self.runner.num_compiles
-        self.runner.precompile(self.program_keys(sampled), on_compiled)
-        if self.prefix_caching.copier:
-            self.prefix_caching.copier.compile(self.runner.state)
-        self.runner.started = True
+        self.runner.precompile(self.program_keys(sampled, prompt_logprobs), on_compiled)
+        self.copies.precompile(self.runner.state, self.copy_programs(), self.transfer_source(), on_compiled)
+        self.runner.started = self.copies.started = True
         return self.runner.num_compiles - before
+
+    def num_copy_programs(self) -> int:
+        """How many state copy programs precompile builds (transfers included)."""
+        return len(self.copy_programs()) + (len(self.copies.transfer_buckets) if self.transfer_source() is not None else 0)
+
+    def copy_programs(self) -> list[tuple[str, int]]:
+        """The state copy programs this engine runs (state_copies.py), besides transfers (transfer_source)."""
+        imports, exports = self.handoff_programs()
+        return self.copies.program_names(self.prefix_caching.snapshots, imports, exports)
+
+    def handoff_programs(self) -> tuple[bool, bool]:
+        """Whether this engine imports and exports PD handoffs (a decode worker, a prefill worker)."""
+        return False, False
+
+    def transfer_source(self):
+        """The state of the prefill worker whose pools this engine copies handoffs from (a decode worker's), or None."""
+        return None
 
     @property
     def compiles_after_startup(self) -> int:
-        """Step programs compiled after precompile (0 when every step ran on a start-up program)."""
-        return self.runner.compiles_after_startup
+        """Step and state copy programs compiled after precompile (0 when every launch ran a start-up program)."""
+        return self.runner.compiles_after_startup + self.copies.compiles_after_startup
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -192,7 +222,7 @@ class LLMEngine:
 
     def flush(self) -> None:
         """Apply the launch in flight, if any (async scheduling; run when no request is left to step)."""
-        self._apply_in_flight()
+        self._apply_in_flight(sync=not self._asynchronous)
 
     def close(self) -> None:
         """Free the engine's compiled programs and device buffers (requests still running are dropped); the
@@ -201,8 +231,7 @@ class LLMEngine:
             self._in_flight.pending.flat.block_until_ready()
             self._in_flight = None
         self.runner.close()
-        if self.prefix_caching.copier:
-            self.prefix_caching.copier.close()
+        self.copies.close()
         self.closed = True
 
     def reset_prefix_cache(self) -> None:
@@ -238,39 +267,61 @@ class LLMEngine:
         free pages for every running request's next window: a preempted request is recomputed from its real
         tokens) and, with MTP, when a running request is within one launch of max_model_len (so every verify
         window is scheduled as the synchronous engine would). num_steps counts model steps, num_launches
-        device launches."""
+        device launches. Equal to `launch()` then `finish()`."""
+        out = self.launch()
+        self.finish()
+        return out
+
+    @property
+    def _asynchronous(self) -> bool:
+        return self.async_scheduling and self.draft_override is None
+
+    def launch(self) -> SchedulerOutput:
+        """The first half of step(): schedule and dispatch. A synchronous engine's results are applied by `finish()`
+        (or its next launch), so an orchestrator of two synchronous engines (PD) can do one's host work while the
+        other's launch runs."""
         if self.closed:
             raise RuntimeError("this engine is closed (LLM.close()): build a new one")
-        asynchronous = self.async_scheduling and self.draft_override is None
+        asynchronous = self._asynchronous
         if self._in_flight is not None and (not asynchronous or self.scheduler.may_preempt()
                                             or self._near_length_limit()):
-            self._apply_in_flight()
+            self._apply_in_flight(sync=not asynchronous)
         out = self._schedule()
         previous, self._in_flight = self._in_flight, (self._launch(out) if out.rows else None)
         if previous is not None:
             self._apply(previous)
-        if not asynchronous:
-            self._apply_in_flight(sync=True)
         return out
+
+    def finish(self) -> None:
+        """The second half of step(): a synchronous engine applies its launch's results (an asynchronous one applies
+        them in a later step)."""
+        if not self._asynchronous:
+            self._apply_in_flight(sync=True)
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
-        if not out.rows and self.scheduler.has_unfinished and self._in_flight is None:
+        if not out.rows and self.scheduler.has_unfinished and self._in_flight is None and not self._waits_on_others():
             raise RuntimeError("scheduler made no progress: a waiting request cannot fit the KV pool")
         return out
 
     def _prepare(self, out: SchedulerOutput, rebase: list[bool] | None = None,
                  num_steps: int = 1) -> tuple[StepArrays, StepShape]:
-        """Build the step's host arrays in the shape of its program: a uniform program for a launch of
-        num_steps > 1, else the ragged program of its tokens and rows (rebase: see build_step)."""
+        """Run the state copies the rows need first (handoffs, prefix-cache restores), then build the step's host
+        arrays in the shape of its program: a uniform program for a launch of num_steps > 1, else the ragged
+        program of its tokens and rows (rebase: see build_step)."""
+        t0 = time.perf_counter()
+        copies = []
         for row in out.rows:
             self.slot_prefill_len[row.request.slot] = row.request.prefill_len
-            self._admitted(row.request)
+            copies += self._admitted(row.request)
         if self.samples_outputs:  # the penalties' counts of newly admitted requests' slots
             self.runner.state = seed_admitted(self.runner.state, out.rows)
-        self.runner.state = self.prefix_caching.before(out.rows, self.runner.state)
+        copies += self.prefix_caching.before(out.rows)
+        if copies:
+            self.runner.state = self.copies.run(self.runner.state, copies)
+            self.timings["copies"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         rows = out.rows
         shape = (self.programs.launch(len(rows), num_steps) if num_steps > 1
@@ -283,8 +334,15 @@ class LLMEngine:
         self.timings["build"] += time.perf_counter() - t0
         return arrays, shape
 
-    def _admitted(self, req: Request) -> None:
-        """Called for every row's request as its step is prepared (a PD decode worker imports handoffs here)."""
+    def _admitted(self, req: Request) -> list:
+        """Called for every row's request as its step is prepared; returns the state copies it needs first (a PD
+        decode worker's handoffs)."""
+        return []
+
+    def _waits_on_others(self) -> bool:
+        """Whether an empty schedule may wait for another engine to free this one's pages or slots (a PD prefill
+        worker whose finished prompts wait for their decode worker)."""
+        return False
 
     def _applied(self, req: Request) -> None:
         """Called for every row's request once its launch's results are applied (a PD prefill worker exports

@@ -25,6 +25,7 @@ from .config import EngineConfig
 GiB = 1 << 30
 MARGIN_BYTES = 256 << 20  # XLA's and the runtime's own allocations beside the engine's buffers
 SNAPSHOT_SHARE = 0.1  # of what the KV pages could have, the prefix cache's GDN state snapshots take
+STAGING_SHARE = 0.02  # of the budget, at most, a PD decode server's handoffs staged ahead of their import take
 
 
 def kv_bytes_per_page(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool) -> int:
@@ -41,6 +42,11 @@ def gdn_slot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     ssm = (1 + K) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     penalties = cfg.vocab_size * 4 + -(-cfg.vocab_size // 32) * 4  # output_counts, prompt_tokens (penalties.py)
     return ecfg.num_slots * (len(cfg.gdn_layer_ids) * (conv + ssm) + penalties)
+
+
+def handoff_bytes(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, pages: int, slots: int = 1) -> int:
+    """Bytes of the pages' KV and the slots' committed GDN state: what a handoff (or a batch of them) moves."""
+    return pages * kv_bytes_per_page(cfg, ecfg, with_mtp) + slots * snapshot_bytes(cfg, ecfg)
 
 
 def snapshot_bytes(cfg: ModelConfig, ecfg: EngineConfig) -> int:
@@ -82,6 +88,9 @@ class MemoryPlan:
     budget: int | None  # bytes the engine may use beside what was in use (None: no device limit)
     num_snapshots: int = 0  # the prefix cache's GDN state snapshots, snapshot 0 included (0: none)
     snapshot_bytes: int = 0  # of one
+    copy_peak: int = 0  # temporaries of the largest state copy program (state_copies.py), run between steps
+    staged_handoffs: int = 0  # PD handoffs a decode server may hold on the device ahead of their import
+    staged_bytes: int = 0  # their bytes
 
     def describe(self, ecfg: EngineConfig) -> str:
         pages = self.num_kv_pages - 1
@@ -91,20 +100,26 @@ class MemoryPlan:
         if self.num_snapshots:
             parts.append(f"prefix-cache state snapshots {self.num_snapshots - 1} "
                          f"({(self.num_snapshots - 1) * self.snapshot_bytes / GiB:.2f} GiB)")
+        if self.staged_bytes:
+            parts.append(f"handoffs staged ahead {self.staged_bytes / GiB:.2f} GiB")
         if self.budget is not None:
-            parts += [f"largest step program {self.step_peak / GiB:.2f} GiB", f"budget {self.budget / GiB:.2f} GiB"]
+            parts += [f"largest step program {self.step_peak / GiB:.2f} GiB",
+                      f"largest state copy {self.copy_peak / GiB:.2f} GiB", f"budget {self.budget / GiB:.2f} GiB"]
         return "memory: " + ", ".join(parts)
 
 
 def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tuple[int, ...] | None,
                 step_peak: Callable[[int], int], share: float = 1.0, reserved: int = 0,
-                snapshots: bool = False) -> MemoryPlan:
+                snapshots: bool = False, copy_peak: int = 0, staged: tuple[int, int] = (0, 0)) -> MemoryPlan:
     """The engine's KV page count (module docstring). memory: (the device's bytes, bytes in use[, the
     allocator's limit]) as device_memory() gives them; gpu_memory_utilization is a fraction of the device's
     bytes, capped at the allocator's limit. step_peak(num_pages): bytes of the largest step program's
     temporaries, compiled on a pool of num_pages pages; reserved: bytes other engines on the device need
     beyond what is in use. snapshots: the engine keeps prefix-cache state snapshots: ecfg.num_state_snapshots,
-    else SNAPSHOT_SHARE of what the pages could have (off the GPU: two per request slot)."""
+    else SNAPSHOT_SHARE of what the pages could have (off the GPU: two per request slot). copy_peak: bytes of the
+    largest state copy program's temporaries (they run between steps: the larger of the two is planned); staged:
+    (handoffs a decode server would hold on the device ahead of their import, bytes of one): at most
+    STAGING_SHARE of the budget, at least one."""
     page = kv_bytes_per_page(cfg, ecfg, with_mtp)
     gdn = gdn_slot_bytes(cfg, ecfg)
     snap = snapshot_bytes(cfg, ecfg) if snapshots and cfg.gdn_layer_ids else 0
@@ -113,13 +128,15 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
     if ecfg.num_kv_pages is not None or memory is None:
         num_snaps = 0 if not snap else 1 + (fixed if fixed is not None else 2 * ecfg.max_num_seqs)
         pages = ecfg.num_kv_pages if ecfg.num_kv_pages is not None else every_slot
-        return MemoryPlan(pages, page, gdn, 0, None, num_snaps, snap)
+        return MemoryPlan(pages, page, gdn, 0, None, num_snaps, snap, copy_peak, staged[0], staged[0] * staged[1])
     total, in_use, cap = (*memory, memory[0])[:3]
     usable = min(ecfg.gpu_memory_utilization * total, cap)
     budget = int(share * (usable - in_use - reserved))
     one_sequence = ecfg.max_pages_per_seq + 1
     peak = step_peak(one_sequence)
-    free = budget - gdn - peak - MARGIN_BYTES
+    num_staged = min(staged[0], max(1, int(STAGING_SHARE * budget) // max(staged[1], 1))) if staged[0] else 0
+    staged_bytes = num_staged * staged[1]
+    free = budget - gdn - max(peak, copy_peak) - staged_bytes - MARGIN_BYTES
     num_snaps = 0
     if snap:
         num_snaps = 1 + (fixed if fixed is not None else max(int(SNAPSHOT_SHARE * free) // snap, 1))
@@ -134,7 +151,9 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
             f"use{f' and {reserved / GiB:.2f} GiB for the other PD worker' if reserved else ''}"
             f"{'' if share == 1 else f', times the share {share}'}) leaves {max(pages, 0)} KV pages after the GDN "
             f"slots ({gdn / GiB:.2f} GiB for max_num_seqs {ecfg.max_num_seqs}) and the largest step program "
-            f"({peak / GiB:.2f} GiB for max_num_batched_tokens {ecfg.max_num_batched_tokens}); one sequence of "
+            f"({peak / GiB:.2f} GiB for max_num_batched_tokens {ecfg.max_num_batched_tokens})"
+            f"{f' and {staged_bytes / GiB:.2f} GiB of handoffs staged ahead' if staged_bytes else ''}; one sequence of "
             f"max_model_len {ecfg.max_model_len} needs {one_sequence}. Lower max_num_seqs, max_num_batched_tokens "
             f"or max_model_len, or raise gpu_memory_utilization.")
-    return MemoryPlan(int(min(pages, every_slot)), page, gdn, peak, budget, num_snaps, snap)
+    return MemoryPlan(int(min(pages, every_slot)), page, gdn, peak, budget, num_snaps, snap, copy_peak, num_staged,
+                      staged_bytes)

@@ -99,9 +99,12 @@ _COMPILED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictiona
 
 
 def clear_compiled_programs() -> None:
-    """Drop every compiled step program of the process (tests that build many engines)."""
+    """Drop every compiled step and state copy program of the process (tests that build many engines)."""
+    from . import state_copies
+
     _COMPILED.clear()
     _STEP_FUNCTIONS.clear()
+    state_copies._COMPILED.clear()
 
 
 # Jitted step functions by static settings, most recently used last. A jitted function keeps the programs

@@ -101,7 +101,8 @@ class Scheduler:
     def pages_needed(self, req: Request, seq_len: int) -> int:
         return max(0, math.ceil(seq_len / self.ecfg.kv_page_size) - len(req.pages))
 
-    def _release(self, req: Request) -> None:
+    def release(self, req: Request) -> None:
+        """Free a request's pages and slot."""
         self.pages.free(req.pages)
         req.pages = []
         req.pages_in_table = 0
@@ -109,8 +110,9 @@ class Scheduler:
             self.slots.free([req.slot])
             req.slot = 0
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Finish a running or waiting request: its pages and slot are free for the next schedule."""
+    def finish(self, req: Request, reason: str, release: bool = True) -> None:
+        """Finish a running or waiting request: its pages and slot are free for the next schedule (release False:
+        the caller frees them later with `release`)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.metrics.finished_time = time.perf_counter()
@@ -118,14 +120,15 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        if release:
+            self.release(req)
 
     def _preempt(self, req: Request) -> None:
         """Free everything and requeue at the front; it is recomputed from its prompt + outputs."""
         if PLACEHOLDER_TOKEN in req.output_token_ids:  # async scheduling applies its launch in flight first
             raise RuntimeError(f"internal: request {req.request_id} preempted while a launch of it is in flight")
         self.running.remove(req)
-        self._release(req)
+        self.release(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
         req.launched = False

@@ -1,13 +1,28 @@
-"""PrefillWorker and DecodeWorker: two engines with their own pools (and devices), joined by Handoffs."""
+"""PrefillWorker and DecodeWorker: two engines with their own pools (and devices), joined by Handoffs.
+
+A prefill worker keeps a finished prompt's pages and slot (`Parked`) until its handoff is taken: a decode worker on
+the same devices copies the state straight from them into its own pages and slot (one transfer program for every
+handoff it admits in a step); otherwise `Handoff.export` gathers it into arrays (bytes for another process, or a
+decode worker on other devices) and frees them. Either way the prefill worker's pools are what holds a prompt
+waiting for the decode worker, so a decode worker that falls behind slows its prefill worker instead of filling the
+device with handoffs.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+import weakref
 from typing import Callable
 
 from .llm_engine import LLMEngine
-from .pd import Handoff, config_fingerprint, export_handoff, handoff_problem, import_handoff
+from .memory import handoff_bytes
+from .pd import Handoff, config_fingerprint, handoff_problem
 from .request import Request, SamplingParams
+from .state_copies import TRANSFER_HANDOFFS, HandoffImport, HandoffTransfer, handoff_buckets, transfer_buckets
+
+STAGED_HANDOFFS = 16  # handoffs a decode server holds on the device ahead of their import (planned; fewer if tight)
 from .tensor_parallel import conv_channel_order
 
 
@@ -24,14 +39,38 @@ class _Worker(LLMEngine):
         return config_fingerprint(self.cfg, self.ecfg.dtype, self.ecfg.kv_page_size)
 
 
+@dataclasses.dataclass(eq=False)
+class Parked:
+    """A prefill worker's finished prompt whose state stays in the worker's pages and slot until its handoff is
+    taken (copied by a decode worker, or exported)."""
+
+    worker: "PrefillWorker"
+    request: Request
+
+    @property
+    def nbytes(self) -> int:
+        w = self.worker
+        pages = -(-self.request.num_computed // w.ecfg.kv_page_size)
+        return handoff_bytes(w.cfg, w.ecfg, bool(w.runner.state.mtp_layers), pages)
+
+    def export(self, handoff: Handoff) -> None:
+        self.worker.export(handoff)
+
+    def release(self) -> None:
+        self.worker.release(self.request.request_id)
+
+
 class PrefillWorker(_Worker):
-    """Runs prompt[:-1] of each request and exports a Handoff when it is done (in `handoffs_out`)."""
+    """Runs prompt[:-1] of each request; a finished one is parked and its Handoff queued (`pop_handoffs`)."""
 
     samples_outputs = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.handoffs_out: list[Handoff] = []
+        self.parked: dict[int, Request] = {}
+        self.exports = True  # start-up compiles the export programs (not when a decode worker copies in place)
+        self._dropped: collections.deque[int] = collections.deque()  # parked ids whose Handoff was dropped untaken
 
     def submit(self, prompt: list[int], params: SamplingParams) -> int:
         rid = self.add_request(list(prompt[:-1]), params)
@@ -43,24 +82,101 @@ class PrefillWorker(_Worker):
     def _applied(self, req: Request) -> None:
         if req.prefill_only and req.num_computed == req.prefill_len:
             prompt = req.prompt_token_ids + [req.next_prompt_token]
-            self.handoffs_out.append(export_handoff(self.cfg, self.runner.state, req, prompt, self.fingerprint,
-                                                    self.conv_order))
             self.prefix_caching.finished(req, req.prefill_len, prompt, self.runner.state)  # the prompt boundary
-            self.scheduler.finish(req, "handoff")
+            self.scheduler.finish(req, "handoff", release=False)
+            self.parked[req.request_id] = req
+            h = Handoff(prompt_token_ids=prompt, num_computed=req.num_computed, sampling_params=req.sampling_params,
+                        request_id=req.request_id, fingerprint=self.fingerprint,
+                        num_cached_tokens=req.num_cached_tokens or 0,
+                        prompt_logprobs=req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None,
+                        source=Parked(self, req))
+            # a handoff dropped untaken frees its pages and slot at this worker's next step (its thread)
+            weakref.finalize(h, self._dropped.append, req.request_id)
+            self.handoffs_out.append(h)
 
     def pop_handoffs(self) -> list[Handoff]:
         out, self.handoffs_out = self.handoffs_out, []
         return out
 
+    def export(self, handoff: Handoff) -> None:
+        """Gather a parked prompt's state into the handoff's arrays (on this worker's devices) and free its pages
+        and slot. Runs on this worker's thread."""
+        req = self.parked[handoff.request_id]
+        pages = req.pages[: handoff.num_pages(self.ecfg.kv_page_size)]
+        arrays = self.copies.export(self.runner.state, pages, req.slot)
+        for name, array in zip(Handoff.ARRAYS, arrays):
+            setattr(handoff, name, array)
+        handoff.source, handoff.valid_pages = None, len(pages)
+        self.release(handoff.request_id)
+
+    def release(self, rid: int) -> None:
+        """Free a parked prompt's pages and slot (its handoff was taken, or nobody will take it)."""
+        req = self.parked.pop(rid, None)
+        if req is not None:
+            self.scheduler.release(req)
+
+    def abort_request(self, rid: int) -> None:
+        self.release(rid)
+        super().abort_request(rid)
+
+    def step(self):
+        while self._dropped:
+            self.release(self._dropped.popleft())
+        return super().step()
+
+    def _waits_on_others(self) -> bool:
+        return bool(self.parked)  # parked prompts hold pages and slots until a decode worker takes them
+
+    def copy_peak(self, with_mtp: bool) -> int:
+        largest = handoff_buckets(self.ecfg.max_pages_per_seq)[-1]  # an export
+        return max(super().copy_peak(with_mtp), handoff_bytes(self.step_cfg, self.ecfg, with_mtp, largest))
+
+    def handoff_programs(self) -> tuple[bool, bool]:
+        return False, self.exports
+
 
 class DecodeWorker(_Worker):
-    """Imports Handoffs into fresh pages/slots and serves the request from the prompt tail on."""
+    """Takes Handoffs into fresh pages and slots and serves the request from the prompt tail on."""
 
     caches_prefixes = False  # every prompt arrives as state; its prefill worker caches
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, staged_handoffs: int = 0, **kwargs):
+        """staged_handoffs: handoffs a server would hold on the device ahead of their import (STAGED_HANDOFFS for a
+        decode server); the memory plan grants at most that many (`staged_handoffs` afterwards)."""
+        self.staged_handoffs = staged_handoffs
         super().__init__(*args, **kwargs)
+        self.staged_handoffs = self.memory.staged_handoffs
         self.handoff_bytes_in = 0
+        self.source: PrefillWorker | None = None  # the prefill worker whose pools it copies from (connect)
+
+    def connect(self, prefill: PrefillWorker | None, transport: str = "object") -> None:
+        """Where handoffs come from: prefill in this process (copied straight from its pools when on the same
+        devices with transport "object"; else exported there and imported here), or (None) another process."""
+        self.source = prefill if prefill is not None and transport == "object" and self.copies_from(prefill) else None
+        if prefill is not None:
+            prefill.exports = self.source is None
+
+    def copies_from(self, prefill: "PrefillWorker") -> bool:
+        """Whether prefill's pools can be copied into this worker's in one program: the same devices, layout and
+        MTP layers."""
+        return (prefill.placement == self.placement and prefill.ecfg.tensor_parallel_size == self.ecfg.tensor_parallel_size
+                and len(prefill.runner.state.mtp_layers) == len(self.runner.state.mtp_layers))
+
+    def handoff_programs(self) -> tuple[bool, bool]:
+        return True, False
+
+    def copy_peak(self, with_mtp: bool) -> int:
+        pages = self.ecfg.max_pages_per_seq
+        largest = max(handoff_bytes(self.step_cfg, self.ecfg, with_mtp, transfer_buckets(pages)[-1], TRANSFER_HANDOFFS),
+                      handoff_bytes(self.step_cfg, self.ecfg, with_mtp, handoff_buckets(pages)[-1]))
+        return max(super().copy_peak(with_mtp), largest)
+
+    def staged(self, with_mtp: bool) -> tuple[int, int]:
+        largest = handoff_buckets(self.ecfg.max_pages_per_seq)[-1]
+        return self.staged_handoffs, handoff_bytes(self.step_cfg, self.ecfg, with_mtp, largest)
+
+    def transfer_source(self):
+        return self.source.runner.state if self.source is not None else None
 
     def submit(self, handoff: Handoff) -> int:
         """Queue a request whose first num_computed tokens arrive as state. A handoff from another model or
@@ -74,18 +190,54 @@ class DecodeWorker(_Worker):
             req.num_computed = handoff.num_computed
             req.handoff = handoff
             self.handoff_bytes_in += handoff.nbytes
+        elif handoff.source is not None:
+            handoff.source.release()
         return rid
 
     def check(self, handoff: Handoff) -> str | None:
         """Why this worker cannot serve the handoff (another model or configuration, wrong sizes), or None."""
+        if handoff.source is not None and not self._mtp_matches(handoff.source.worker):
+            return "handoff from a prefill worker without this worker's MTP layers (num_speculative_tokens differs)"
         return handoff_problem(handoff, self.cfg, self.fingerprint, self.ecfg.kv_page_size,
                                len(self.runner.state.mtp_layers))
 
-    def _admitted(self, req: Request) -> None:
-        if req.handoff is not None:  # admitted this step: its state goes into the fresh slot and pages
-            self.runner.state = import_handoff(self.cfg, self.runner.state, req.handoff, req.slot, req.pages,
-                                               self.runner.buffer_sharding, self.conv_order)
+    def _mtp_matches(self, prefill: "PrefillWorker") -> bool:
+        return len(prefill.runner.state.mtp_layers) == len(self.runner.state.mtp_layers)
+
+    def abort_request(self, rid: int) -> None:
+        req = self.requests.get(rid)
+        if req is not None and req.handoff is not None and req.handoff.source is not None:
+            req.handoff.source.release()  # never admitted: its prefill worker's pages and slot are free again
             req.handoff = None
+        super().abort_request(rid)
+
+    def _admitted(self, req: Request) -> list:
+        """The state copy that brings an admitted request's handoff into its fresh pages and slot."""
+        h, req.handoff = req.handoff, None
+        if h is None:
+            return []
+        n = h.num_pages(self.ecfg.kv_page_size)
+        parked = h.source
+        if parked is not None and parked.worker is self.source:  # connected on the same devices: copy in place
+            op = HandoffTransfer(parked.worker.runner, parked.request.slot, tuple(parked.request.pages[:n]), req.slot,
+                                 tuple(req.pages[:n]), h.num_computed)
+            parked.release()  # its pages are read before the prefill worker's next launch can write them
+            return [op]
+        return [HandoffImport(h.export().arrays, req.slot, tuple(req.pages[:n]), h.num_computed)]
+
+
+def step_pair(prefill: PrefillWorker, decode: DecodeWorker, route: Callable[[list[Handoff]], None]) -> None:
+    """One round of a PD pair in one process, each worker synchronous: the decode worker's launch is dispatched,
+    the prefill worker's last launch applied (its finished prompts' handoffs go to route) and its next one
+    dispatched, then the decode worker's applied. So each worker's host work runs while the other's launch runs on
+    the device (and on a CPU both launches run at once)."""
+    if decode.has_unfinished:
+        decode.launch()
+    prefill.finish()
+    route(prefill.pop_handoffs())
+    if prefill.has_unfinished:
+        prefill.launch()
+    decode.finish()
 
 
 def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker, prompts: list[list[int]],
@@ -104,15 +256,15 @@ def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker, prompts: lis
             from_prefill[prefill.submit(prompt, sp)] = i
         else:
             decode_ids[i] = decode.add_request(prompt, sp)
+
+    def route(handoffs: list[Handoff]) -> None:
+        for h in handoffs:
+            if transport_bytes:
+                h = Handoff.from_bytes(h.to_bytes())
+            decode_ids[from_prefill[h.request_id]] = decode.submit(h)
+
     while prefill.has_unfinished or decode.has_unfinished:
-        if prefill.has_unfinished:
-            prefill.step()
-            for h in prefill.pop_handoffs():
-                if transport_bytes:
-                    h = Handoff.from_bytes(h.to_bytes())
-                decode_ids[from_prefill[h.request_id]] = decode.submit(h)
-        if decode.has_unfinished:
-            decode.step()
+        step_pair(prefill, decode, route)
         if on_step:
             on_step()
     return decode_ids  # type: ignore[return-value]

@@ -52,6 +52,7 @@ class ServerState:
     shutdown_abort: bool = True
     max_request_bytes: int | None = None
     http: object = None  # httpx.AsyncClient of a decode role with a prefill_url
+    staging: asyncio.Semaphore | None = None  # a decode role's handoffs on the device ahead of their import
 
     @property
     def max_model_len(self) -> int:
@@ -90,6 +91,8 @@ def build_app(state: ServerState) -> FastAPI:
             import httpx
 
             state.http = httpx.AsyncClient(base_url=state.prefill_url, timeout=None)
+        if state.role == "decode":
+            state.staging = asyncio.Semaphore(max(1, state.front.engine.staged_handoffs))
         yield
         # uvicorn has let the open requests finish (or its graceful timeout ran out): abort the rest
         state.front.shutdown(abort=state.shutdown_abort)
@@ -253,8 +256,16 @@ async def _generate(state: ServerState, ids: list[int], sp: SamplingParams, hand
         except ValueError as e:
             raise BadRequest(f"prefill server sent a bad handoff: {e}", status=502, kind="server_error") from None
         ids = None
+    staged = False
     try:
+        if handoff is not None and state.staging is not None:
+            await state.staging.acquire()
+            staged = True
+            await _stage(state, handoff)
         async for delta in state.front.generate(ids, sp, handoff=handoff, timeout=state.request_timeout):
+            if staged:  # its first delta comes after its import: the staged arrays are free
+                state.staging.release()
+                staged = False
             yield delta
     except EngineFull as e:
         raise BadRequest(str(e), status=429, kind="rate_limit_error") from None
@@ -262,6 +273,23 @@ async def _generate(state: ServerState, ids: list[int], sp: SamplingParams, hand
         raise BadRequest(str(e), status=503, kind="server_error") from None
     except RequestTimedOut as e:
         raise BadRequest(str(e), status=408, kind="timeout_error") from None
+    finally:
+        if staged:
+            state.staging.release()
+
+
+async def _stage(state: ServerState, handoff: Handoff) -> None:
+    """Copy a decode role's handoff to the device off the event loop and the engine thread (its pages padded to the
+    import program's bucket), so the engine thread only imports it. A handoff the engine cannot import is left as it
+    is: its request fails there with the reason."""
+    engine = state.front.engine
+    if engine.check(handoff) is not None:
+        return
+    pages = handoff.num_pages(engine.ecfg.kv_page_size)
+    arrays = await asyncio.to_thread(engine.copies.stage, handoff.arrays, pages)
+    for name, array in zip(Handoff.ARRAYS, arrays):
+        setattr(handoff, name, array)
+    handoff.valid_pages = pages
 
 
 async def _run_choice(state: ServerState, c: _Choice, on_text=None) -> None:

@@ -19,10 +19,11 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from ..engine.compile_times import CompileEvents
 from ..engine.llm_engine import LLMEngine
 from ..engine.pd import Handoff
 from ..engine.request import PLACEHOLDER_TOKEN, RequestOutput, SamplingParams
-from ..engine.workers import DecodeWorker, PrefillWorker
+from ..engine.workers import DecodeWorker, PrefillWorker, step_pair
 
 logger = logging.getLogger("jaxgdn.serve")
 
@@ -101,6 +102,7 @@ class AsyncEngine:
         self.counters = collections.Counter()  # prompt/generation tokens, finished requests by reason
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) for tokens/s
         self.snapshot: dict = {}
+        self.compile_events = CompileEvents()
 
     @property
     def engines(self) -> list[LLMEngine]:
@@ -113,6 +115,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------------ any thread
     def start(self) -> "AsyncEngine":
+        self.compile_events.start()  # the engines' start-up is over: any compile from here on is counted
         self._thread = threading.Thread(target=self._run, name="jaxgdn-engine", daemon=True)
         self._thread.start()
         self._publish()
@@ -200,6 +203,7 @@ class AsyncEngine:
             self._streams.clear()
         finally:
             self.stopped = True
+            self.compile_events.stop()
             for e in self.engines:
                 try:
                     e.flush()
@@ -252,21 +256,27 @@ class AsyncEngine:
             s.engine.abort_request(s.rid)
 
     def _step(self) -> None:
-        if self.prefill is not None and self.prefill.has_unfinished:
-            self.prefill.step()
-            handoffs = self.prefill.pop_handoffs()
-            by_rid = {s.rid: (h, s) for h, s in self._streams.items() if s.engine is self.prefill} if handoffs else {}
-            for handoff in handoffs:
-                handle, s = by_rid[handoff.request_id]
-                self.prefill.forget(s.rid)
-                if self.engine is not None:  # PD in one process: the decode worker takes it on
-                    s.engine, s.rid = self.engine, self.engine.submit(handoff)
-                else:
-                    del self._streams[handle]
-                    self._finished("handoff")
-                    self._safe_sink(s, Delta([], "handoff", handoff=handoff))
-        if self.engine is not None and self.engine.has_unfinished:
+        if self.prefill is not None and self.engine is not None:  # PD in one process
+            step_pair(self.prefill, self.engine, self._route)
+        elif self.prefill is not None:
+            if self.prefill.has_unfinished:
+                self.prefill.step()
+            self._route(self.prefill.pop_handoffs())
+        elif self.engine.has_unfinished:
             self.engine.step()
+
+    def _route(self, handoffs: list[Handoff]) -> None:
+        """Finished prompts of the prefill worker: to the decode worker in this process, or (a prefill role) out."""
+        by_rid = {s.rid: (h, s) for h, s in self._streams.items() if s.engine is self.prefill} if handoffs else {}
+        for handoff in handoffs:
+            handle, s = by_rid[handoff.request_id]
+            self.prefill.forget(s.rid)
+            if self.engine is not None:  # PD in one process: the decode worker takes it on
+                s.engine, s.rid = self.engine, self.engine.submit(handoff)
+            else:  # a prefill role: gathered here, on the engine thread, for the route to send as bytes
+                del self._streams[handle]
+                self._finished("handoff")
+                self._safe_sink(s, Delta([], "handoff", handoff=handoff.export()))
 
     def _emit(self) -> None:
         """Push every live request's new tokens; the last delta of the requests that finished. An event loop's
@@ -330,6 +340,7 @@ class AsyncEngine:
             **usage, **self.counters,
             "generation_tokens_per_s": sum(n for _, n in self._recent) / window,
             "compiles_after_startup": sum(e.compiles_after_startup for e in self.engines),
+            "xla_compiles_after_startup": self.compile_events.count,
             "num_steps": sum(e.num_steps for e in self.engines),
             "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
             "prefix_cache_queries": main.prefix.stats.queries, "prefix_cache_hits": main.prefix.stats.hits,

@@ -13,7 +13,10 @@ GAUGES = {
     "slots_used": ("jaxgdn_gdn_slots_used", "request slots (GDN state) in use"),
     "slots_total": ("jaxgdn_gdn_slots_total", "request slots (GDN state) in all"),
     "generation_tokens_per_s": ("jaxgdn_generation_tokens_per_second", "output tokens per second, last 10 s"),
-    "compiles_after_startup": ("jaxgdn_compiles_after_startup", "step programs compiled after start-up"),
+    "compiles_after_startup": ("jaxgdn_compiles_after_startup", "step and state copy programs compiled after start-up"),
+    "xla_compiles_after_startup": ("jaxgdn_xla_compiles_after_startup",
+                                   "JAX compile events (tracing, lowering, compiling) in the engine's process after "
+                                   "start-up"),
 }
 COUNTERS = {
     "prompt_tokens": ("jaxgdn_prompt_tokens", "prompt tokens of the requests admitted"),
