@@ -84,6 +84,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
     from ..engine.workers import step_pair
+    from .serve_pd import handoff_stats
 
     eng, prefill = llm.engine, llm.prefill_worker
     llm.reset_prefix_cache()  # hits come from this run's own requests
@@ -164,57 +165,6 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
             "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl)}
-
-
-def handoff_stats(llm, nbytes: list[int]) -> dict:
-    """PD: the handoffs of a run: count, bytes per request, and the host's ms per request for each copy kind (the
-    dispatch of an in-process transfer, an import or an export; the device runs them behind the steps)."""
-    seconds: dict[str, list[float]] = {}
-    for e in llm.engines:
-        for kind, s in e.copies.handoff_seconds:
-            seconds.setdefault(kind, []).append(s * 1e3)
-    return {"count": len(nbytes), "bytes": _percentiles(nbytes),
-            **{f"{kind}_ms": _percentiles(v) for kind, v in sorted(seconds.items())}}
-
-
-def handoff_device_ms(llm, length: int, repeats: int = 20) -> dict:
-    """PD: device ms of one handoff of a `length`-token prompt, copied from the prefill worker's pools into free
-    pages and a free slot of the decode worker's, replayed `repeats` times and synchronised (an idle engine pair)."""
-    import jax
-
-    from ..engine.request import SamplingParams
-    from ..engine.state_copies import HandoffImport, HandoffTransfer
-
-    prefill, eng = llm.prefill_worker, llm.engine
-    rng = np.random.default_rng(length)
-    prefill.submit([int(t) for t in rng.integers(0, llm.model_config.vocab_size, length)],
-                   SamplingParams(temperature=0, max_tokens=1))
-    while prefill.has_unfinished:
-        prefill.step()
-    (h,) = prefill.pop_handoffs()
-    n = h.num_pages(eng.ecfg.kv_page_size)
-    (slot,), pages = eng.scheduler.slots.allocate(1), eng.scheduler.pages.allocate(n)
-    try:
-        parked = h.source
-        if eng.source is not None:
-            op = HandoffTransfer(prefill.runner, parked.request.slot, tuple(parked.request.pages[:n]), slot,
-                                 tuple(pages), h.num_computed)
-        else:
-            h.export()
-            op = HandoffImport(eng.copies.stage(h.arrays, n), slot, tuple(pages), h.num_computed)
-        times = []
-        for _ in range(repeats + 2):
-            jax.block_until_ready(eng.runner.state)
-            t0 = time.perf_counter()
-            eng.runner.state = eng.copies.run(eng.runner.state, [op])
-            jax.block_until_ready(eng.runner.state)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return {"prompt_len": length, "bytes": h.nbytes, "kind": type(op).__name__, **_percentiles(times[2:])}
-    finally:
-        eng.scheduler.slots.free([slot])
-        eng.scheduler.pages.free(pages)
-        if h.source is not None:
-            h.source.release()
 
 
 def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:
@@ -301,6 +251,8 @@ def child_run(args) -> dict:
             out["warm_no_prefix_caching"] = run()
     out["compiles_after_startup"] = llm.compiles_after_startup
     if llm.prefill_worker is not None:
+        from .serve_pd import handoff_device_ms
+
         lengths = sorted(len(p) for p, _ in requests if len(p) > 1)
         out["handoff_device_ms"] = [handoff_device_ms(llm, n) for n in (lengths[len(lengths) // 2], lengths[-1])]
     stats = jax.devices()[0].memory_stats() or {}
@@ -348,48 +300,6 @@ def _forwarded(args) -> list[str]:
     return flags + ["--library-gemms-min-tokens", "off" if min_tokens is None else str(min_tokens)]
 
 
-def peer_transformers(args, requests) -> dict:
-    """transformers on the same requests (greedy, every output to its length): `generate_batch` (continuous
-    batching); where that fails, `generate` at batch 32 with left padding. Wall time and tokens/s."""
-    import torch
-    from transformers import GenerationConfig
-
-    from ..model.config import PRESETS, ModelConfig
-    from .transformers_peer import hf_model
-
-    cfg = (PRESETS[args.model]() if args.model in PRESETS
-           else ModelConfig.from_json_file(os.path.join(args.model, "config.json")))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = hf_model(cfg, device=device)
-    prompts = [p for p, _ in requests]
-    longest = max(o for _, o in requests)
-    row = {"device": device}
-    t0 = time.perf_counter()
-    try:
-        gen = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
-        generated = sum(len(o.generated_tokens) for o in outs.values())
-        row["form"] = "generate_batch"
-    except Exception as e:  # noqa: BLE001  (a hybrid cache it does not take)
-        row["generate_batch_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        t0 = time.perf_counter()
-        generated = 0
-        for i in range(0, len(requests), 32):
-            batch = requests[i : i + 32]
-            width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in batch),
-                                 min_new_tokens=max(o for _, o in batch), do_sample=False, pad_token_id=0)
-            generated += int(out.shape[0] * (out.shape[1] - width))
-        row["form"] = "generate, batch 32, left padding"
-    wall = time.perf_counter() - t0
-    prompt_tokens = sum(len(p) for p in prompts)
-    row.update(wall_s=wall, output_tokens=generated, total_tokens_per_s=(prompt_tokens + generated) / wall,
-               output_tokens_per_s=generated / wall, note="every request generates the longest request's output")
-    return row
-
-
 def bench_serve(args) -> dict:
     """A process on an empty compilation cache (start-up, the workload cold and warm), then a start-up on the
     cache it filled; with --cache-dir one process on that cache (filled by an earlier run: a server's, for an
@@ -429,13 +339,9 @@ def bench_serve(args) -> dict:
           f"{w['fraction_of_bound']:.0%} of the bound; TTFT p50 {w['ttft_ms']['p50']:.0f} ms, TPOT p50 "
           f"{w['tpot_ms']['p50']:.1f} ms; compiles after start-up {cold['compiles_after_startup']}", flush=True)
     if colocated is not None:
-        c, hs = colocated["warm"], w["handoffs"]
-        ms = lambda kind: "-" if not hs.get(kind) else f"{hs[kind]['p50']:.3f} / {hs[kind]['p99']:.3f}"  # noqa: E731
-        print(f"PD warm {w['wall_s']:.2f} s vs colocated {c['wall_s']:.2f} s: "
-              f"{payload['pd_over_colocated_warm_wall']:.2f}x the wall, {w['total_tokens_per_s'] / c['total_tokens_per_s']:.2f}x "
-              f"the tokens/s; {hs['count']} handoffs of {hs['bytes']['p50'] / 1e6:.2f} MB median, host ms per handoff "
-              f"p50 / p99: transfer {ms('transfer_ms')}, import {ms('import_ms')}, export {ms('export_ms')}; device ms "
-              + ", ".join(f"{d['prompt_len']} tokens {d['p50']:.3f}" for d in cold["handoff_device_ms"]), flush=True)
+        from .serve_pd import print_ratio
+
+        print_ratio(cold, colocated)
     if "warm_no_prefix_caching" in cold:
         off = cold["warm_no_prefix_caching"]
         print(f"prefix cache: hit rate {w['prefix_cache_hit_rate']:.0%}, warm {w['wall_s']:.2f} s, TTFT p50 "
@@ -444,7 +350,9 @@ def bench_serve(args) -> dict:
     if not args.no_peer:
         requests = make_requests(args, _vocab(args), _tokenizer(args))
         try:
-            payload["transformers"] = peer_transformers(args, requests)
+            from .transformers_peer import serve_peer
+
+            payload["transformers"] = serve_peer(args, requests)
         except Exception as e:  # noqa: BLE001
             payload["transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"transformers: {payload['transformers']}", flush=True)

@@ -123,7 +123,7 @@ def bench_spec(args) -> dict:
 
 
 def _handoff_for(params, cfg, length: int, device):
-    """Run one prompt of `length` tokens through a prefill worker; returns (handoff, export-step seconds)."""
+    """Run one prompt of `length` tokens through a prefill worker; returns its handoff, exported."""
     from ..engine.config import EngineConfig
     from ..engine.request import SamplingParams
     from ..engine.workers import PrefillWorker
@@ -136,7 +136,7 @@ def _handoff_for(params, cfg, length: int, device):
     P.submit(prompt, SamplingParams(temperature=0, max_tokens=1))
     while P.has_unfinished:
         P.step()
-    return P.pop_handoffs()[0]
+    return P.pop_handoffs()[0].export()  # its arrays, gathered from the prefill worker's pools
 
 
 def handoff_costs(handoff, target_device, repeats: int = 5) -> dict:

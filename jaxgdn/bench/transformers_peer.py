@@ -3,6 +3,7 @@ model at a jaxgdn config, timed the way a server would use it."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import traceback
@@ -93,3 +94,44 @@ def peer_model_or_none(cfg, want: bool):
     except Exception as e:  # noqa: BLE001
         print(f"transformers peer skipped ({type(e).__name__}: {e})")
         return None
+
+
+def serve_peer(args, requests) -> dict:
+    """transformers on the same requests (greedy, every output to its length): `generate_batch` (continuous
+    batching); where that fails, `generate` at batch 32 with left padding. Wall time and tokens/s."""
+    import torch
+    from transformers import GenerationConfig
+
+    from ..model.config import PRESETS, ModelConfig
+
+    cfg = (PRESETS[args.model]() if args.model in PRESETS
+           else ModelConfig.from_json_file(os.path.join(args.model, "config.json")))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = hf_model(cfg, device=device)
+    prompts = [p for p, _ in requests]
+    longest = max(o for _, o in requests)
+    row = {"device": device}
+    t0 = time.perf_counter()
+    try:
+        gen = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        generated = sum(len(o.generated_tokens) for o in outs.values())
+        row["form"] = "generate_batch"
+    except Exception as e:  # noqa: BLE001  (a hybrid cache it does not take)
+        row["generate_batch_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        t0 = time.perf_counter()
+        generated = 0
+        for i in range(0, len(requests), 32):
+            batch = requests[i : i + 32]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in batch),
+                                 min_new_tokens=max(o for _, o in batch), do_sample=False, pad_token_id=0)
+            generated += int(out.shape[0] * (out.shape[1] - width))
+        row["form"] = "generate, batch 32, left padding"
+    wall = time.perf_counter() - t0
+    prompt_tokens = sum(len(p) for p in prompts)
+    row.update(wall_s=wall, output_tokens=generated, total_tokens_per_s=(prompt_tokens + generated) / wall,
+               output_tokens_per_s=generated / wall, note="every request generates the longest request's output")
+    return row
