@@ -75,21 +75,21 @@ for step in $steps; do
     # same workload (bench serve --pd runs both: the ratio, handoff bytes and copy times)
     serve-pd-mtp) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \
       --num-speculative-tokens 2 --no-peer --out "$dest/serve-pd-mtp_gpu_$stamp.json" ;;
-    # the same workload over HTTP through the two PD servers (--role prefill / decode) sharing the GPU
+    # the same workload over HTTP through the two PD servers (--role prefill / decode) sharing the GPU: the prefill
+    # server starts first, the decode server then loads the programs they share from the cache; logs go to $dest
     serve-pd-http)
       export JAXGDN_CACHE_DIR=/tmp/jaxgdn-pd-http-cache
       f="--model qwen3.5-0.8b --num-speculative-tokens 2 --gpu-memory-utilization 0.42"
-      python3 -m jaxgdn.serve --role prefill --port 8100 $f > /tmp/pd-prefill.txt 2>&1 &
+      healthy() { for _ in $(seq "$2"); do curl -sf http://127.0.0.1:$1/health > /dev/null && return 0; sleep 1; done; return 1; }
+      python3 -m jaxgdn.serve --role prefill --port 8100 $f > "$dest/serve-pd-http-prefill_gpu_$stamp.txt" 2>&1 &
       prefill=$!
-      python3 -m jaxgdn.serve --role decode --port 8000 --prefill-url http://127.0.0.1:8100 $f > /tmp/pd-decode.txt 2>&1 &
+      healthy 8100 300 && python3 -m jaxgdn.serve --role decode --port 8000 --prefill-url http://127.0.0.1:8100 $f \
+        > "$dest/serve-pd-http-decode_gpu_$stamp.txt" 2>&1 &
       decode=$!
-      for port in 8100 8000; do
-        for _ in $(seq 400); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done; done
-      grep -h "start-up" /tmp/pd-prefill.txt /tmp/pd-decode.txt
-      timeout 300 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b --num-prompts 1000 \
-        --http-repeat 0 --out "$dest/serve-pd-http_gpu_$stamp.json"
-      curl -s http://127.0.0.1:8100/metrics | grep -E "^jaxgdn_(xla_)?compiles"
-      kill $prefill $decode; wait $prefill $decode; tail -n 3 /tmp/pd-prefill.txt /tmp/pd-decode.txt ;;
+      healthy 8000 240 && timeout 200 python3 -m jaxgdn.bench serve --http http://127.0.0.1:8000 --model qwen3.5-0.8b \
+        --num-prompts 1000 --http-repeat 0 --out "$dest/serve-pd-http_gpu_$stamp.json"
+      for port in 8100 8000; do curl -s http://127.0.0.1:$port/metrics | grep -E "^jaxgdn_(xla_)?compiles"; done
+      kill $prefill $decode; wait $prefill $decode ;;
     decode)  timeout 300 python3 -m jaxgdn.bench decode --out "$dest/decode_gpu_$stamp.json" ;;
     prefill) timeout 300 python3 -m jaxgdn.bench prefill --out "$dest/prefill_gpu_$stamp.json" ;;
     spec)    timeout 300 python3 -m jaxgdn.bench spec --out "$dest/spec_gpu_$stamp.json" ;;

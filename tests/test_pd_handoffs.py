@@ -139,3 +139,21 @@ def test_run_disaggregated_frees_everything_in_both_workers():
     assert not P.parked
     for e in (P, D):
         assert e.usage()["slots_used"] == 0 and e.usage()["kv_pages_used"] == 0
+
+
+def test_the_copy_programs_temporaries_are_in_the_memory_plan():
+    """Every state copy program a PD pair compiles needs at most the temporaries its worker's memory plan set aside
+    for copies (XLA's memory analysis of the compiled programs)."""
+    cfg = ecfg(num_speculative_tokens=1)
+    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
+    D.connect(P)
+    P.exports = True  # the export programs too
+    P.precompile(sampled=False)
+    D.precompile()
+    for worker in (P, D):
+        programs = dict(worker.copies._programs)
+        assert {name for name, *_ in programs} >= ({"export", "save", "restore", "copy_pages"} if worker is P
+                                                   else {"import", "transfer"})
+        for key, program in programs.items():
+            temp = program.memory_analysis().temp_size_in_bytes
+            assert temp <= worker.memory.copy_peak, (key, temp, worker.memory.copy_peak)

@@ -116,9 +116,13 @@ def serve_table(d: dict) -> list[str]:
     head = (f"{d['num_prompts']} `{d['dataset']}` {what}{shared} ({_arrivals(d)}) on `{d['model']}`, max_num_seqs "
             f"{e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, {e['dtype']}, "
             f"K = {e['num_speculative_tokens']}.")
-    runs = [("cold (first run of a new process)", c["cold"]), ("warm", c["warm"])]
+    pd = "PD, " if e.get("pd") else ""
+    runs = [(f"{pd}cold (first run of a new process)", c["cold"]), (f"{pd}warm", c["warm"])]
     if "warm_no_prefix_caching" in c:
         runs.append(("warm, prefix caching off", c["warm_no_prefix_caching"]))
+    colocated = d.get("colocated_process")
+    if colocated:
+        runs += [("colocated, cold", colocated["cold"]), ("colocated, warm", colocated["warm"])]
     lines = _table(["run", "wall s", "total tok/s", "output tok/s", "prefix-cache hits", "TTFT p50 / p99 ms",
                     "TPOT p50 / p99 ms", "ITL p50 / p99 ms"], runs, lambda r: [
         r[0], f"{r[1]['wall_s']:.2f}", f"{r[1]['total_tokens_per_s']:.0f}", f"{r[1]['output_tokens_per_s']:.0f}",
@@ -132,6 +136,14 @@ def serve_table(d: dict) -> list[str]:
     startup = (f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, {warm['startup_s']:.1f} s with it filled"
                if warm else f"Start-up {c['startup_s']:.1f} s on a filled compilation cache ({d['note']})")
     phases = (("empty cache", c), ("cache filled", warm)) if warm else (("cache filled", c),)
+    if colocated:
+        hs = c["warm"]["handoffs"]
+        copies = "; ".join(f"{k[:-3]} {hs[k]['p50']:.3f} / {hs[k]['p99']:.3f}" for k in hs if k.endswith("_ms"))
+        device = ", ".join(f"{r['prompt_len']} tokens {r['p50']:.3f} ms" for r in c.get("handoff_device_ms", []))
+        lines += ["", f"PD warm over colocated warm: {d['pd_over_colocated_warm_wall']:.2f}x the wall; "
+                      f"{hs['count']} handoffs, {hs['bytes']['p50'] / 1e6:.2f} MB median; host ms per handoff p50 / p99: "
+                      f"{copies}; one handoff's copy on the device (synchronised): {device}. Colocated start-up "
+                      f"{colocated['startup_s']:.1f} s, {colocated['compiles_after_startup']} compiled after it."]
     return [head, ""] + lines + ["", f"{startup}; `LLM(...)` to the cold "
                                      f"run's last token {c['cold']['from_process_start_s']:.1f} s; {c['programs']} step programs, "
                                      f"{c['compiles_after_startup']} compiled after start-up; the bound "

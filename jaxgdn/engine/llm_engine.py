@@ -344,9 +344,9 @@ class LLMEngine:
         worker whose finished prompts wait for their decode worker)."""
         return False
 
-    def _applied(self, req: Request) -> None:
-        """Called for every row's request once its launch's results are applied (a PD prefill worker exports
-        finished prompts here)."""
+    def _applied(self, req: Request, end: int) -> None:
+        """Called for every row's request once its launch's results are applied, end: the position after the row's
+        tokens (a PD prefill worker parks finished prompts here)."""
 
     def _record_inputs(self, req: Request, start: int, ids) -> None:
         if self.record_inputs:
@@ -447,7 +447,7 @@ class LLMEngine:
                     break
             if req.status is RequestStatus.FINISHED:
                 continue
-            self._applied(req)
+            self._applied(req, start)
             if row.samples:
                 unused = row.booked_outputs - emitted
                 del req.output_token_ids[i + emitted : i + emitted + unused]

@@ -25,6 +25,7 @@ from .config import EngineConfig
 GiB = 1 << 30
 MARGIN_BYTES = 256 << 20  # XLA's and the runtime's own allocations beside the engine's buffers
 SNAPSHOT_SHARE = 0.1  # of what the KV pages could have, the prefix cache's GDN state snapshots take
+COPY_INDEX_BYTES = 1 << 20  # a state copy program's index arrays and per-slot scalars, beside the bytes it gathers
 STAGING_SHARE = 0.02  # of the budget, at most, a PD decode server's handoffs staged ahead of their import take
 
 
@@ -122,6 +123,7 @@ def plan_memory(cfg: ModelConfig, ecfg: EngineConfig, with_mtp: bool, memory: tu
     STAGING_SHARE of the budget, at least one."""
     page = kv_bytes_per_page(cfg, ecfg, with_mtp)
     gdn = gdn_slot_bytes(cfg, ecfg)
+    copy_peak += COPY_INDEX_BYTES
     snap = snapshot_bytes(cfg, ecfg) if snapshots and cfg.gdn_layer_ids else 0
     every_slot = ecfg.max_num_seqs * ecfg.max_pages_per_seq + 1
     fixed = None if not snap else ecfg.num_state_snapshots

@@ -79,8 +79,8 @@ class PrefillWorker(_Worker):
         req.next_prompt_token = int(prompt[-1])
         return rid
 
-    def _applied(self, req: Request) -> None:
-        if req.prefill_only and req.num_computed == req.prefill_len:
+    def _applied(self, req: Request, end: int) -> None:
+        if req.prefill_only and end == req.prefill_len:  # its last chunk's results (not a later launch's booking)
             prompt = req.prompt_token_ids + [req.next_prompt_token]
             self.prefix_caching.finished(req, req.prefill_len, prompt, self.runner.state)  # the prompt boundary
             self.scheduler.finish(req, "handoff", release=False)
