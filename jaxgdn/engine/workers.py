@@ -21,9 +21,9 @@ from .memory import handoff_bytes
 from .pd import Handoff, config_fingerprint, handoff_problem
 from .request import Request, SamplingParams
 from .state_copies import TRANSFER_HANDOFFS, HandoffImport, HandoffTransfer, handoff_buckets, transfer_buckets
+from .tensor_parallel import conv_channel_order
 
 STAGED_HANDOFFS = 16  # handoffs a decode server holds on the device ahead of their import (planned; fewer if tight)
-from .tensor_parallel import conv_channel_order
 
 
 class _Worker(LLMEngine):
@@ -119,10 +119,10 @@ class PrefillWorker(_Worker):
         self.release(rid)
         super().abort_request(rid)
 
-    def step(self):
+    def launch(self):
         while self._dropped:
             self.release(self._dropped.popleft())
-        return super().step()
+        return super().launch()
 
     def _waits_on_others(self) -> bool:
         return bool(self.parked)  # parked prompts hold pages and slots until a decode worker takes them
