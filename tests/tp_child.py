@@ -149,7 +149,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "head":
         print(json.dumps({**head_checks(), "collectives": collective_counts()}))
     elif sys.argv[1] == "pd-compiles":  # precompiled PD pairs on one mesh: tokens, and compiles while serving
-        settings = [{"tp": tp, "K": 2, "pd": True, "precompile": True} for tp in (1, 2)]
+        settings = [{"tp": 1, "K": 2, "pd": True}, {"tp": 2, "K": 2, "pd": True, "precompile": True}]
         print(json.dumps({"tokens": [serve(s) for s in settings], "compiles": COMPILES}))
     else:
         print(json.dumps([serve(s) for s in json.loads(sys.argv[1])]))

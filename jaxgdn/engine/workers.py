@@ -163,7 +163,7 @@ class DecodeWorker(_Worker):
                 and len(prefill.runner.state.mtp_layers) == len(self.runner.state.mtp_layers))
 
     def handoff_programs(self) -> tuple[bool, bool]:
-        return True, False
+        return self.source is None, False  # a connected worker copies from its prefill worker's pools instead
 
     def copy_peak(self, with_mtp: bool) -> int:
         pages = self.ecfg.max_pages_per_seq
