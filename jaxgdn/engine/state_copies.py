@@ -35,11 +35,11 @@ import numpy as np
 from ..model.config import ModelConfig
 from .copy_programs import (attention_pools, copy_pages, export_arrays, import_arrays, restore_snapshots,
                             save_snapshots, transfer)
+from .pd import Handoff
 from .state import EngineState
 
 COPIES = 8  # page copies, snapshot saves or restores per program call; more are several calls
 TRANSFER_HANDOFFS = 8  # in-process handoffs per transfer program call
-HANDOFF_ARRAYS = ("kv_k", "kv_v", "mtp_k", "mtp_v", "conv", "ssm")
 
 
 # ------------------------------------------------------------------------------------------------ ops
@@ -64,7 +64,7 @@ class SnapshotSave:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HandoffImport:
-    arrays: tuple  # the handoff's six arrays (HANDOFF_ARRAYS), host or device (`StateCopies.stage`)
+    arrays: tuple  # the handoff's six arrays (Handoff.ARRAYS), host or device (`StateCopies.stage`)
     slot: int
     pages: tuple[int, ...]  # this engine's pages for the handoff's num_pages
     num_computed: int
@@ -128,8 +128,8 @@ def _order(order) -> tuple | None:
 class StateCopies:
     """An engine's state copy programs (module docstring) and the prefix cache's snapshot pools.
 
-    cfg: the model config; ecfg: the engine config (page buckets from max_pages_per_seq); sharding: where the copies'
-    int32 arguments and staged handoff arrays live (the runner's buffer_sharding; None: JAX's default device);
+    cfg: the model config; max_pages_per_seq: the engine's (the page buckets); sharding: where the copies' int32
+    arguments and staged handoff arrays live (the runner's buffer_sharding; None: JAX's default device);
     snapshots: the snapshot pools (`state.init_snapshots`, placed as the engine's state; () without prefix caching);
     conv_order: the pools' conv channel order under tensor parallelism (`tensor_parallel.conv_channel_order`; None on
     one device), undone on export and applied on import."""
@@ -168,7 +168,7 @@ class StateCopies:
         return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.sharding)
 
     def payload_shapes(self, state: EngineState, pages: int) -> tuple:
-        """Abstract arrays of a handoff (HANDOFF_ARRAYS) of `pages` pages, as staged on this engine."""
+        """Abstract arrays of a handoff (Handoff.ARRAYS) of `pages` pages, as staged on this engine."""
         def like(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
         cfg = self.cfg
@@ -328,7 +328,7 @@ class StateCopies:
         return state
 
     def export(self, state: EngineState, pages: list[int], slot: int) -> tuple:
-        """A request's handoff arrays (HANDOFF_ARRAYS; pages padded to a bucket with the null page)."""
+        """A request's handoff arrays (Handoff.ARRAYS; pages padded to a bucket with the null page)."""
         t0 = time.perf_counter()
         bucket = bucket_for(len(pages), self.handoff_buckets)
         padded = np.zeros(bucket, np.int32)
@@ -349,7 +349,7 @@ class StateCopies:
         if fits and single(self._target) and all(isinstance(a, jax.Array) and single(a.sharding) for a in arrays):
             return tuple(jax.device_put(a, self._target) for a in arrays)  # device to device
         host = []
-        for name, a in zip(HANDOFF_ARRAYS, jax.device_get(list(arrays))):
+        for name, a in zip(Handoff.ARRAYS, jax.device_get(list(arrays))):
             a = np.asarray(a)
             if name.startswith(("kv", "mtp")) and a.ndim > 1 and a.shape[1] != bucket:
                 padded = np.zeros((a.shape[0], bucket, *a.shape[2:]), a.dtype)
