@@ -68,9 +68,9 @@ for step in $steps; do
     # request, one cache
     serve-sampling)
       f="--no-peer --cache-dir /tmp/jaxgdn-sampling-cache --num-prompts 1000 --input-len 256 1024 --output-len 32 512"
-      timeout 190 python3 -m jaxgdn.bench serve $f --out "$dest/serve-sampling-off_gpu_$stamp.json"
-      timeout 170 python3 -m jaxgdn.bench serve $f --logprobs 5 --out "$dest/serve-logprobs-5_gpu_$stamp.json"
-      timeout 220 python3 -m jaxgdn.bench serve $f --json-schema --out "$dest/serve-json-schema_gpu_$stamp.json" ;;
+      timeout 280 python3 -m jaxgdn.bench serve $f --out "$dest/serve-sampling-off_gpu_$stamp.json"
+      timeout 120 python3 -m jaxgdn.bench serve $f --logprobs 5 --out "$dest/serve-logprobs-5_gpu_$stamp.json"
+      timeout 150 python3 -m jaxgdn.bench serve $f --json-schema --out "$dest/serve-json-schema_gpu_$stamp.json" ;;
     # PD + MTP K = 2 at the default configuration, both workers on the one GPU, then the colocated engine on the
     # same workload (bench serve --pd runs both: the ratio, handoff bytes and copy times)
     serve-pd-mtp) timeout 580 python3 -m jaxgdn.bench serve --model qwen3.5-0.8b --num-prompts 1000 --pd \

@@ -125,13 +125,11 @@ class LLM:
         returns how many step programs were compiled. (A PD prefill worker's steps never sample: its greedy and
         prompt-scoring programs only.)"""
         t0 = time.perf_counter()
-        # a PD prefill worker samples nothing; it scores prompts for prompt_logprobs
-        roles = {id(e): dict(sampled=e is not self.prefill_worker, prompt_logprobs=e is self.prefill_worker)
-                 for e in self.engines}
-        total = sum(len(e.program_keys(**roles[id(e)])) + e.num_copy_programs() for e in self.engines)
+        roles = {id(e): dict(sampled=e is not self.prefill_worker) for e in self.engines}  # a prefill worker samples nothing
+        total = sum(len(e.program_keys(**roles[id(e)])) + len(e.copy_programs()) for e in self.engines)
         with tqdm(total=total, desc="compile", unit="program", disable=not use_tqdm) as bar, CompileTimes() as times:
             compiled = sum(e.precompile(bar.update, **roles[id(e)]) for e in self.engines)
-        copies = sum(e.num_copy_programs() for e in self.engines)
+        copies = sum(len(e.copy_programs()) for e in self.engines)
         self.startup |= {"precompile_s": time.perf_counter() - t0, "programs": compiled, "copy_programs": copies,
                          "precompile": times.summary()}
         return compiled

@@ -130,7 +130,7 @@ def test_serve_bench_runs_a_workload_cold_and_warm_with_no_compile_after_start_u
             "12", "--request-rate", "40", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
             "--max-model-len", "96", "--matmul-size", "128", "--bandwidth-bytes", "1000000")
     cold = d["cold_process"]
-    assert cold["compiles_after_startup"] == 0 and cold["programs"] == d["warm_cache_startup"]["programs"] == 4
+    assert cold["compiles_after_startup"] == 0 and cold["programs"] == d["warm_cache_startup"]["programs"] > 4
     from jaxgdn.bench.serve import make_requests
 
     class Args:

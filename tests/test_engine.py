@@ -223,7 +223,7 @@ def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
         buf, layout = pack_step_arrays(arrays)
         program = eng.runner.compiled(layout, False, 1, shape.width)
         state = jax.tree_util.tree_map(jnp.copy, eng.runner.state)
-        new_state, flat, _ = program(eng.runner.params, state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf))
+        new_state, flat, *_ = program(eng.runner.params, state, jnp.zeros(buf.size + 1, jnp.int32), jnp.asarray(buf))
         flat, R = np.asarray(flat), shape.rows  # [R tokens | R num_sampled | T ids] (K = 0)
         results.append((flat[:3], flat[R : R + 3], jax.tree_util.tree_leaves(new_state)))
     assert eng.programs.ragged(3, 3).tokens == 16 and eng.programs.launch(3, 1) == eng.programs.launch(4, 1)

@@ -128,7 +128,7 @@ def test_the_launch_picks_the_least_program_variant():
     assert launch_sampler([Row(plain, 0), Row(lp, 3)]) == Sampler.LOGPROBS
     assert not Sampler.LOGPROBS & Sampler.SAMPLE  # a greedy launch that scores keeps the argmax path
     assert launch_sampler([Row(lp, 3, samples=False)]) == Sampler.GREEDY
-    assert launch_sampler([Row(prompt_lp, 6, samples=False)]) == Sampler.PROMPT_LOGPROBS
+    assert launch_sampler([Row(prompt_lp, 6, samples=False)]) == Sampler.STREAM
     assert launch_sampler([Row(prompt_lp, 7)]) == Sampler.GREEDY  # its prompt's last token: nothing to score
 
 

@@ -150,7 +150,7 @@ def test_the_copy_programs_temporaries_are_in_the_memory_plan():
     P.exports = True  # the export programs too
     P.precompile(sampled=False)
     D.precompile()
-    D.copies.precompile(D.runner.state, D.copies.program_names(False, True, False))  # and its imports
+    D.copies.precompile(D.runner.state, D.copies.program_names(False, True, False, False))  # and its imports
     for worker in (P, D):
         programs = dict(worker.copies._programs)
         assert {name for name, *_ in programs} >= ({"export", "save", "restore", "copy_pages"} if worker is P

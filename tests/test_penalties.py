@@ -53,7 +53,7 @@ def test_device_penalties_equal_the_reference_at_each_verify_position():
            SamplingParams(frequency_penalty=-1.2)]
     state = Slots(jnp.zeros((5, V), jnp.int32), jnp.full((5, -(-V // 32)), -1, jnp.int32))  # garbage bits
     for slot in range(3):
-        state = penalties.seed(state, slot + 1, prompts[slot], outputs[slot])
+        state = penalties.seed(state, slot + 1, prompts[slot], outputs[slot], penalties.SEED_BUCKET)
     rows = [type("Row", (), dict(samples=True, request=type("Q", (), dict(sampling_params=sp))())) for sp in sps]
     pen, bias = penalties.penalty_arrays(rows, R)
     slots = np.arange(1, R + 1)

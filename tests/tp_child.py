@@ -72,7 +72,7 @@ def serve(setting: dict) -> list[list[int]]:
         engine = DecodeWorker(weights, cfg, ecfg, **decode_at)
         if setting.get("precompile"):  # as LLM(...) starts a PD pair: handoffs copied in place on one mesh
             engine.connect(prefill, "bytes" if setting.get("bytes") else "object")
-            prefill.precompile(sampled=False, prompt_logprobs=True)
+            prefill.precompile(sampled=False)
             engine.precompile()
             events = CompileEvents().start()
         ids = run_disaggregated(prefill, engine, prompts, params, transport_bytes=setting.get("bytes", False))

@@ -153,14 +153,15 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
             if len(times) > 1:
                 tpot.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
                 itl += list(np.diff(times) * 1e3)
-    errors = sum(eng.requests[r].error is not None for r in done)
+    errors = [eng.requests[r].error for r in done if eng.requests[r].error is not None]
     prompt_tokens = sum(len(p) for p, _ in requests)
     output_tokens = sum(len(times) for _, times in done.values())
     after = llm.metrics()
     looked_up = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     found = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     out = {"handoffs": handoff_stats(llm, handoff_bytes)} if prefill is not None else {}
-    return {**out, "wall_s": wall, "requests": len(requests), "finished": len(done), "errors": errors,
+    return {**out, "wall_s": wall, "requests": len(requests), "finished": len(done), "errors": len(errors),
+            "first_errors": errors[:3],
             "prefix_cache_hit_rate": found / looked_up if looked_up else None, "prefix_cache_hit_tokens": found,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
@@ -332,6 +333,8 @@ def bench_serve(args) -> dict:
         payload["warm_cache_startup"] = warm_start
     args.save_partial(payload)
     w = cold["warm"]
+    if w["errors"] == w["requests"]:
+        raise SystemExit(f"every request failed: {w['first_errors']}")
     filled = f"{warm_start['startup_s']:.1f}" if warm_start else "-"
     print(f"start-up {cold['startup_s']:.1f} s (cache filled: {filled} s), "
           f"{cold['programs']} programs; cold {cold['cold']['from_process_start_s']:.1f} s from process start, "

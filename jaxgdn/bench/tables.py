@@ -134,7 +134,7 @@ def serve_table(d: dict) -> list[str]:
                      f"{peer['output_tokens_per_s']:.0f} | - | - | - | - |")
     warm = d.get("warm_cache_startup")  # absent: the one process started on a filled cache (see its note)
     startup = (f"Start-up {c['startup_s']:.1f} s with an empty compilation cache, {warm['startup_s']:.1f} s with it filled"
-               if warm else f"Start-up {c['startup_s']:.1f} s on a filled compilation cache ({d['note']})")
+               if warm else f"Start-up {c['startup_s']:.1f} s on the compilation cache as it was ({d['note']})")
     phases = (("empty cache", c), ("cache filled", warm)) if warm else (("cache filled", c),)
     if colocated:
         hs = c["warm"]["handoffs"]

@@ -11,6 +11,7 @@ import itertools
 import time
 from typing import Callable, Iterable
 
+import jax
 import numpy as np
 
 from pallas_kernels.ragged_attention import block_queries
@@ -29,13 +30,14 @@ from .state import init_engine_state, init_snapshots
 from .step_layout import BlockTables, StepArrays, StopTable, build_step, program_layout
 from .logprobs import Sampler, launch_sampler, record_prompt, record_sampled
 from .host_masks import attach_host_masks, launch_bitmask, needs_host_masks
-from .penalties import penalty_arrays, seed_admitted
+from .penalties import penalty_arrays, seed, seed_admitted, seed_size
 from .structured import Grammars
 from .placement import Placement
 from .prefix_cache import PrefixCache
 from .snapshots import PrefixCaching
 from .state_copies import COPIES, StateCopies
 from .spec_decode import SpecCounters
+from .split_step import SAMPLER_VARIANTS
 from .tensor_parallel import conv_channel_order, local_config
 
 
@@ -71,6 +73,7 @@ class LLMEngine:
         self.decode_steps_per_launch = ecfg.resolved_decode_steps(platform)
         self.programs = ProgramSet(ecfg, self.decode_steps_per_launch)
         self.block_tables = BlockTables(ecfg.num_slots, ecfg.max_pages_per_seq)
+        self.seed_size = seed_size(ecfg.max_model_len)
         self.block_q = block_queries(self.step_cfg.num_attention_heads, self.step_cfg.num_key_value_heads)
         self.policy = policy or ecfg.kernel_policy(platform)
         self.runner = ModelRunner(params, cfg, None, policy=self.policy, reproduce_pd_mtp_bug=ecfg.reproduce_pd_mtp_bug,
@@ -140,36 +143,40 @@ class LLMEngine:
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     # ------------------------------------------------------------------------------------ programs
-    def program_keys(self, sampled: bool = True, prompt_logprobs: bool = False) -> list[tuple]:
-        """The runner's keys of every step program this engine may run: each shape of `programs`, greedy, (sampled)
-        with temperature rows, and (prompt_logprobs) scoring every prompt token (a PD prefill worker's)."""
-        samplers = [Sampler.GREEDY] + [Sampler.SAMPLE] * sampled + [Sampler.PROMPT_LOGPROBS] * prompt_logprobs
-        return [(program_layout(shape, self.ecfg, self.block_q), int(sampler), shape.num_steps, shape.width)
-                for shape in self.programs.all_shapes() for sampler in samplers]
+    def program_keys(self, sampled: bool = True) -> list[tuple]:
+        """The runner's keys of every program this engine may run: each shape of `programs`, greedy and (sampled)
+        with temperature rows, and (sampled) the scores of their tokens; for every ragged shape the split launch's
+        programs (split_step.py) that serve the other sampling features."""
+        samplers = [Sampler.GREEDY] + [Sampler.SAMPLE] * sampled
+        shapes = self.programs.all_shapes()
+        keys = [(program_layout(shape, self.ecfg, self.block_q), int(sampler), shape.num_steps, shape.width)
+                for shape in shapes for sampler in samplers]
+        ragged = [shape for shape in shapes if not shape.uniform]
+        keys += [(part, program_layout(shape, self.ecfg, self.block_q)) for shape in ragged
+                 for part in ("forward", "stream", "commit")]
+        variants = SAMPLER_VARIANTS if sampled else (int(Sampler.GREEDY),)
+        keys += [("sample", rows, v) for rows in dict.fromkeys(s.rows for s in ragged) for v in variants]
+        return keys + list(dict.fromkeys(("score", s.num_steps, s.rows) for s in shapes)) * sampled
 
-    def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True,
-                   prompt_logprobs: bool = False) -> int:
-        """Compile every step program now (see program_keys) and the state copy programs this engine runs
-        (copy_programs); later compiles count as compiles after start-up (`compiles_after_startup`). Returns the
-        number of step programs compiled."""
+    def precompile(self, on_compiled: Callable[[], None] | None = None, sampled: bool = True) -> int:
+        """Compile every program now (see program_keys), the penalties' seeding and the state copy programs this
+        engine runs (copy_programs); later compiles count as compiles after start-up (`compiles_after_startup`).
+        Returns the number of step programs compiled."""
         before = self.runner.num_compiles
-        self.runner.precompile(self.program_keys(sampled, prompt_logprobs), on_compiled)
+        self.runner.precompile(self.program_keys(sampled), on_compiled)
+        if self.samples_outputs:
+            self.runner.state = seed(self.runner.state, 0, [], [], self.seed_size)
         self.copies.precompile(self.runner.state, self.copy_programs(), self.transfer_source(), on_compiled)
         self.runner.started = self.copies.started = True
         return self.runner.num_compiles - before
 
-    def num_copy_programs(self) -> int:
-        """How many state copy programs precompile builds (transfers included)."""
-        return len(self.copy_programs()) + (len(self.copies.transfer_buckets) if self.transfer_source() is not None else 0)
-
     def copy_programs(self) -> list[tuple[str, int]]:
-        """The state copy programs this engine runs (state_copies.py), besides transfers (transfer_source)."""
-        imports, exports = self.handoff_programs()
-        return self.copies.program_names(self.prefix_caching.snapshots, imports, exports)
+        """(name, page bucket) of the state copy programs this engine runs (state_copies.py)."""
+        return self.copies.program_names(self.prefix_caching.snapshots, *self.handoff_programs())
 
-    def handoff_programs(self) -> tuple[bool, bool]:
-        """Whether this engine imports and exports PD handoffs (a decode worker, a prefill worker)."""
-        return False, False
+    def handoff_programs(self) -> tuple[bool, bool, bool]:
+        """Whether this engine imports, exports and transfers PD handoffs (a decode worker, a prefill worker)."""
+        return False, False, False
 
     def transfer_source(self):
         """The state of the prefill worker whose pools this engine copies handoffs from (a decode worker's), or None."""
@@ -228,7 +235,7 @@ class LLMEngine:
         """Free the engine's compiled programs and device buffers (requests still running are dropped); the
         engine cannot step afterwards."""
         if self._in_flight is not None:
-            self._in_flight.pending.flat.block_until_ready()
+            jax.block_until_ready(self._in_flight.pending.flats)
             self._in_flight = None
         self.runner.close()
         self.copies.close()
@@ -317,7 +324,7 @@ class LLMEngine:
             self.slot_prefill_len[row.request.slot] = row.request.prefill_len
             copies += self._admitted(row.request)
         if self.samples_outputs:  # the penalties' counts of newly admitted requests' slots
-            self.runner.state = seed_admitted(self.runner.state, out.rows)
+            self.runner.state = seed_admitted(self.runner.state, out.rows, self.seed_size)
         copies += self.prefix_caching.before(out.rows)
         if copies:
             self.runner.state = self.copies.run(self.runner.state, copies)

@@ -141,15 +141,15 @@ def entry_dict(entry: tuple | None, decode=None) -> dict[int, Logprob] | None:
 
 
 def launch_sampler(rows) -> Sampler:
-    """The least program variant a launch's rows need for their logprobs (GREEDY when none asks; the runner
-    adds SAMPLE for temperature rows)."""
+    """The scores a launch's rows need: STREAM where a row's prompt tokens are scored, LOGPROBS where a sampling
+    row's tokens are (GREEDY when none; the runner adds SAMPLE and the masks' and penalties' flags)."""
     sampler = Sampler.GREEDY
     for row in rows:
         req = row.request
         if req.sampling_params.prompt_logprobs is not None and req.num_computed < prompt_length(req) - 1:
-            return Sampler.PROMPT_LOGPROBS
+            sampler |= Sampler.STREAM
         if row.samples and req.sampling_params.logprobs is not None:
-            sampler = Sampler.LOGPROBS
+            sampler |= Sampler.LOGPROBS
     return sampler
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
-SEED_BUCKET = 64  # token arrays `seed` takes are padded to a power of two at least this long
+SEED_BUCKET = 64  # the least length `seed` pads to
 
 
 def penalized(sp) -> bool:
@@ -94,19 +94,24 @@ def _seed(counts, prompt_bits, slot, ids, num_prompt, num_tokens):
     return counts.at[slot].set(outputs), prompt_bits.at[slot].set(bits)
 
 
-def seed_admitted(state, rows):
+def seed_size(max_model_len: int) -> int:
+    """The one length `seed` pads a request's tokens to (one program for every request)."""
+    return max(SEED_BUCKET, 1 << (max_model_len - 1).bit_length())
+
+
+def seed_admitted(state, rows, size: int):
     """state with the slots of the rows' penalized requests that were just admitted (no row built yet) seeded."""
     for row in rows:
         req = row.request
         if not req.launched and penalized(req.sampling_params):
-            state = seed(state, req.slot, req.prompt_token_ids, [t for t in req.output_token_ids if t >= 0])
+            state = seed(state, req.slot, req.prompt_token_ids, [t for t in req.output_token_ids if t >= 0], size)
     return state
 
 
-def seed(state, slot: int, prompt: list[int], outputs: list[int]):
-    """state with slot's counts set to outputs' and its prompt bits to prompt's tokens (a request's admission)."""
+def seed(state, slot: int, prompt: list[int], outputs: list[int], size: int):
+    """state with slot's counts set to outputs' and its prompt bits to prompt's tokens (a request's admission);
+    the tokens travel padded to size (seed_size). Slot 0, the null slot, with no tokens: compiles the program."""
     ids = list(prompt) + list(outputs)
-    size = max(SEED_BUCKET, 1 << (len(ids) - 1).bit_length())
     padded = np.zeros(size, np.int32)
     padded[: len(ids)] = ids
     counts, bits = _seed(state.output_counts, state.prompt_tokens, np.int32(slot), padded, np.int32(len(prompt)),

@@ -7,10 +7,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import os
 import time
-import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -20,53 +18,15 @@ import numpy as np
 from ..model.config import ModelConfig
 from ..model.params import ModelParams
 from ..model.policy import DEFAULT_POLICY, KernelPolicy
-from .device_step import packed_step
-from .logprobs import Sampler, Scores, packed_size
-from .program_cache import ProgramCache
+from .device_step import Forwarded
+from .logprobs import Sampler, Scores
 from .state import EngineState
-from .step_layout import StepArrays, pack_step_arrays
-from .tensor_parallel import TP, local_config, mesh_size, sharded_step
-
-
-def enable_compilation_cache(directory: str | None = None) -> str | None:
-    """Turn on JAX's persistent compilation cache (process-wide) unless the user already chose one.
-    Directory: the argument, else $JAXGDN_CACHE_DIR, else ~/.cache/jaxgdn/jax; an empty
-    $JAXGDN_CACHE_DIR turns it off. Returns the directory in use (None when off)."""
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    directory = directory if directory is not None else os.environ.get(
-        "JAXGDN_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxgdn", "jax"))
-    if not directory:
-        return None
-    jax.config.update("jax_compilation_cache_dir", directory)
-    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0, below JAX's own 1 s
-    # floor: a GPU compiles even a small program, such as one of the preset weights' draws, in a fraction of a
-    # second, and a start-up runs dozens of them).
-    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0")
-    try:
-        floor_s = float(floor)
-    except ValueError:
-        raise ValueError(f"$JAXGDN_CACHE_MIN_COMPILE_S must be a number of seconds, got {floor!r}") from None
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", floor_s)
-    return directory
-
-
-def program_cache() -> ProgramCache | None:
-    """The cache of compiled step programs beside JAX's persistent compilation cache on a GPU, or None when that
-    is off or off a GPU (a loaded XLA:CPU program once failed to find one of its own kernels; there JAX's cache
-    serves alone)."""
-    directory = jax.config.jax_compilation_cache_dir
-    if not directory or jax.devices()[0].platform != "gpu":
-        return None
-    return ProgramCache(os.path.join(directory, "jaxgdn-programs"), os.environ.get("XLA_FLAGS", ""))
-
-
-def _compile_and_keep(lowered, shared_key: tuple, disk: ProgramCache | None):
-    """lowered.compile(), stored under shared_key in the program cache disk (None: off)."""
-    program = lowered.compile()
-    if disk:
-        disk.store(shared_key, program)
-    return program
+from .split_step import extras_size, is_split, pack_extras, rows_shapes, sampler_variant
+from .step_functions import (  # noqa: F401 (the caches' functions are found here too)
+    _COMPILED, _STEP_FUNCTIONS, LIBRARY_GEMM_OPTIONS, _compile_and_keep, _jitted_step, _layout_size, _release_step,
+    clear_compiled_programs, enable_compilation_cache, layout_tokens, program_cache)
+from .step_layout import StepArrays, pack_step_arrays, unpack_step_arrays
+from .tensor_parallel import mesh_size
 
 
 class LaunchArgs(NamedTuple):
@@ -78,75 +38,6 @@ class LaunchArgs(NamedTuple):
     sampler: int
     num_steps: int
     width: int
-
-
-# XLA compiler options of the programs for steps of at least EngineConfig.library_gemms_min_tokens tokens:
-# their matrix products go to cuBLAS(Lt) instead of XLA's Triton GEMMs. XLA folds a product's residual add
-# into the cuBLASLt call (beta = 1) only for products its GEMM rewriter sees as library calls; a product
-# first claimed for Triton and later handed to cuBLAS by the autotuner misses that rewrite.
-LIBRARY_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-def layout_tokens(layout: tuple) -> int:
-    """The token bucket T of a packed step's layout (pack_step_arrays): input_ids' length."""
-    return next(shape[0] for name, shape, _ in layout if name == "input_ids")
-
-
-# Compiled step programs, shared by every runner in the process with the same static settings and argument
-# shapes (engines of one configuration, a PD worker pair on one device): (settings, launch key, signature).
-# Weak: a program lives while a runner holds it, and goes with the last engine that used it.
-_COMPILED: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
-
-
-def clear_compiled_programs() -> None:
-    """Drop every compiled step and state copy program of the process (tests that build many engines)."""
-    from . import state_copies
-
-    _COMPILED.clear()
-    _STEP_FUNCTIONS.clear()
-    state_copies._COMPILED.clear()
-
-
-# Jitted step functions by static settings, most recently used last. A jitted function keeps the programs
-# compiled through it (JAX caches its traces, lowerings and executables), so the process keeps those of
-# at most MAX_STEP_FUNCTIONS settings; a runner that closes drops its own unless another live runner uses them.
-_STEP_FUNCTIONS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
-_STEP_USERS: "collections.defaultdict[tuple, weakref.WeakSet]" = collections.defaultdict(weakref.WeakSet)
-MAX_STEP_FUNCTIONS = 16
-
-
-def _jitted_step(user, *settings):
-    """The jitted step of these settings (see _make_step) for runner `user`, shared by every runner in the
-    process."""
-    step = _STEP_FUNCTIONS.pop(settings, None) or _make_step(*settings)
-    _STEP_FUNCTIONS[settings] = step
-    _STEP_USERS[settings].add(user)
-    while len(_STEP_FUNCTIONS) > MAX_STEP_FUNCTIONS:
-        _STEP_FUNCTIONS.popitem(last=False)
-    return step
-
-
-def _release_step(user, settings) -> None:
-    users = _STEP_USERS[settings]
-    users.discard(user)
-    if not users:
-        _STEP_FUNCTIONS.pop(settings, None)
-        del _STEP_USERS[settings]
-
-
-def _make_step(cfg: ModelConfig, policy: KernelPolicy, reproduce_pd_mtp_bug: bool, rebases: bool = False,
-               library_gemms: bool = False, mesh=None):
-    """One jitted step function per static setting. library_gemms: compile with LIBRARY_GEMM_OPTIONS (no
-    effect off the GPU). mesh: a tensor-parallel mesh of more than one device runs the step per shard
-    (`tensor_parallel.sharded_step`); None or one device, the plain step."""
-    tp = mesh_size(mesh)
-    if tp > 1:
-        cfg, policy = local_config(cfg, tp), policy.replace(tp_axis=TP)
-    step = functools.partial(packed_step, cfg=cfg, policy=policy, reproduce_pd_mtp_bug=reproduce_pd_mtp_bug,
-                             rebases=rebases)
-    return jax.jit(sharded_step(step, mesh) if tp > 1 else step,
-                   donate_argnums=(1, 2), static_argnums=(4, 5, 6, 7),
-                   compiler_options=LIBRARY_GEMM_OPTIONS if library_gemms else None)
 
 
 class ModelRunner:
@@ -180,18 +71,22 @@ class ModelRunner:
         self._static = (cfg, policy, reproduce_pd_mtp_bug, rebases)
         self.policy = policy
         self._settings = [(*self._static, library, self.mesh) for library in (False, True)]
-        self._step, self._library_step = (_jitted_step(self, *settings) for settings in self._settings)
+        (self._step, self._split), (self._library_step, self._library_split) = (
+            _jitted_step(self, *settings) for settings in self._settings)
         self._programs: dict[tuple, Any] = {}  # (layout, sampler, num_steps, width) -> compiled program
         self._signature = None  # the weights' and state's shapes and device (set at the first compile)
         self.num_compiles = 0
         self.compiles_after_startup = 0
         self.started = False  # the engine sets it once start-up's programs are compiled
 
-    def program(self, layout: tuple):
-        """The jitted step that runs a launch of this packed layout: the library-GEMM program for token
-        buckets of at least the policy's library_gemms_min_tokens, else the default one."""
+    def program(self, layout: tuple, split: bool = False):
+        """The jitted step (split: the split launch's functions) that runs a launch of this packed layout: the
+        library-GEMM program for token buckets of at least the policy's library_gemms_min_tokens, else the default
+        one."""
         threshold = self.policy.library_gemms_min_tokens
-        return self._library_step if threshold is not None and layout_tokens(layout) >= threshold else self._step
+        library = threshold is not None and layout_tokens(layout) >= threshold
+        return (self._library_split if library else self._split) if split else (
+            self._library_step if library else self._step)
 
     @property
     def num_programs(self) -> int:
@@ -202,14 +97,49 @@ class ModelRunner:
         """(layout, sampler, num_steps, width) of every compiled program."""
         return list(self._programs)
 
-    def lower(self, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0, state=None):
-        """The lowered step program of a packed layout and static setting (on `state`, default the runner's;
-        shapes are all that matter)."""
-        size = sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in layout)
+    def lower(self, *key, state=None):
+        """The lowered program of a launch key (on `state`, default the runner's; shapes are all that matter): a
+        fused step's (layout, sampler, num_steps, width), a split launch's ("forward" | "stream" | "commit",
+        layout) or ("sample", rows, variant), or a fused launch's scores ("score", num_steps, rows) (split_step.py)."""
         buf = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.buffer_sharding)  # noqa: E731
         state = self.state if state is None else state
-        return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, int(sampler),
-                                          num_steps, width)
+        if not isinstance(key[0], str):
+            layout, sampler, num_steps, width = key
+            size = _layout_size(layout)
+            return self.program(layout).lower(self.params, state, buf(size + 1), buf(size), layout, int(sampler),
+                                              num_steps, width)
+        part, arg = key[:2]
+        K = state.draft_tokens.shape[1]
+        if part == "score":
+            n, R = arg, key[2]
+            hidden = jax.ShapeDtypeStruct((n, R, 1 + K, self.cfg.hidden_size), self.params.embed_tokens.dtype,
+                                          sharding=self.buffer_sharding)
+            tokens = jax.ShapeDtypeStruct((n, R, 1 + K), jnp.int32, sharding=self.buffer_sharding)
+            return self._split.score.lower(self.params, hidden, tokens)
+        if part == "sample":
+            rows = rows_shapes(arg, K, self.cfg, self.params.embed_tokens.dtype, self.buffer_sharding)
+            size = extras_size(arg, 1 + K, self.cfg.vocab_size, key[2])
+            return self._split.sample.lower(self.params, state, rows, buf(size), key[2])
+        split, size = self.program(arg, split=True), _layout_size(arg)
+        if part == "forward":
+            return split.forward.lower(self.params, state, buf(size + 1), buf(size), arg)
+        a, f = self._carry_shapes(arg, K)
+        if part == "stream":
+            return split.stream.lower(self.params, a, f)
+        R = a.idx_mapping.shape[0]
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.buffer_sharding)  # noqa: E731
+        return split.commit.lower(self.params, state, a, f, ints(R, 1 + K), ints(R))
+
+    def _carry_shapes(self, layout: tuple, K: int):
+        """The (arrays, Forwarded) a split launch's forward of this layout leaves, as ShapeDtypeStructs."""
+        size = _layout_size(layout)
+        a = jax.eval_shape(lambda b: unpack_step_arrays(b, layout), jax.ShapeDtypeStruct((size + 1,), jnp.int32))
+        T, R = layout_tokens(layout), a.idx_mapping.shape[0]
+        s = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=self.buffer_sharding)  # noqa: E731
+        a = jax.tree.map(lambda x: s(x.shape, x.dtype), a)
+        f = Forwarded(ids=s((T,)), hidden=s((T, self.cfg.hidden_size), self.params.embed_tokens.dtype),
+                      tok_at=s((R, 1 + K)), drafts=s((R, K)), n_draft=s((R,)))
+        return a, f
 
     def _signature_of(self, state) -> tuple:
         """What a program's arguments look like: the weights' and state's tree and shapes, the devices."""
@@ -247,7 +177,10 @@ class ModelRunner:
 
     def compiled(self, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0):
         """The compiled program of a launch, compiling it now if it is new (counted after start-up)."""
-        key = (layout, int(sampler), num_steps, width)
+        return self.compiled_key((layout, int(sampler), num_steps, width))
+
+    def compiled_key(self, key: tuple):
+        """The compiled program of a launch key (see lower), compiling it now if it is new."""
         program = self._cached(key)
         if program is None:
             program = self._build(key)
@@ -292,7 +225,7 @@ class ModelRunner:
         self._programs.clear()
         for settings in self._settings:
             _release_step(self, settings)
-        self._step = self._library_step = None
+        self._step = self._library_step = self._split = self._library_split = None
         buffers = [self.state, list(self._resident_inputs.values())]
         self._resident_inputs.clear()
         self.state = self.params = self.last_device_args = None
@@ -320,7 +253,7 @@ class ModelRunner:
         def run(n):
             for _ in range(n):
                 step_input = self.put(host_buf) if fresh_input else fixed
-                flat = self._launch(step_input, layout, sampler, num_steps, width)
+                flat, _, _ = self._launch(step_input, layout, sampler, num_steps, width)
             jax.block_until_ready(flat)
 
         run(2)
@@ -330,16 +263,20 @@ class ModelRunner:
 
     def _launch(self, step_input, layout: tuple, sampler: int, num_steps: int = 1, width: int = 0):
         """Launch the compiled step on a device input (int32[n]) with this size's resident buffer, which
-        the step donates and returns; self.state advances. Returns the step's flat result buffer."""
+        the step donates and returns; self.state advances. Returns (the step's flat result buffer, the logits
+        rows' hidden states, the tokens): see packed_step."""
         program = self.compiled(layout, sampler, num_steps, width)
-        size = step_input.shape[0]
+        resident = self._resident(step_input.shape[0])
+        self.state, flat, self._resident_inputs[step_input.shape[0]], hidden, tokens = program(
+            self.params, self.state, resident, step_input)
+        return flat, hidden, tokens
+
+    def _resident(self, size: int):
+        """The resident input buffer of this size (int32[size + 1]), taken out until the launch returns it."""
         resident = self._resident_inputs.pop(size, None)
         while len(self._resident_inputs) >= self.MAX_RESIDENT_INPUTS:
             del self._resident_inputs[next(iter(self._resident_inputs))]  # the least recently used size
-        if resident is None:
-            resident = self.put(np.zeros(size + 1, np.int32))
-        self.state, flat, self._resident_inputs[size] = program(self.params, self.state, resident, step_input)
-        return flat
+        return resident if resident is not None else self.put(np.zeros(size + 1, np.int32))
 
     def put(self, host_buf: np.ndarray):
         """A host int32 buffer on the step's device(s): the same on every device of a mesh, which may span
@@ -363,33 +300,59 @@ class ModelRunner:
         t0 = time.perf_counter()
         host_buf, layout = pack_step_arrays(arrays)
         step_input = self.put(host_buf)
-        self.last_device_args = LaunchArgs(host_buf, layout, sampler, num_steps, width)
         t1 = time.perf_counter()
-        flat = self._launch(step_input, layout, sampler, num_steps, width)
+        if is_split(sampler):
+            flats = self._launch_split(step_input, layout, sampler, arrays)
+        else:
+            fused = int(sampler & Sampler.SAMPLE)
+            self.last_device_args = LaunchArgs(host_buf, layout, fused, num_steps, width)
+            flat, hidden, tokens = self._launch(step_input, layout, fused, num_steps, width)
+            flats = [flat]
+            if sampler & Sampler.LOGPROBS:
+                score = self.compiled_key(("score", num_steps, arrays.idx_mapping.shape[0]))
+                flats.append(score(self.params, hidden, tokens))
         # Queue the results' device-to-host copy behind the step now, so fetch finds them on the host
         # instead of starting the copy and waiting for it.
-        flat.copy_to_host_async()
+        for flat in flats:
+            flat.copy_to_host_async()
         self.timings["transfer"] += t1 - t0
         self.timings["dispatch"] += time.perf_counter() - t1
-        return PendingStep(flat, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1], num_steps, sampler,
+        return PendingStep(flats, arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1], num_steps, sampler,
                            arrays.input_ids.shape[0])
+
+    def _launch_split(self, step_input, layout: tuple, sampler: int, arrays: StepArrays) -> list:
+        """A split launch (split_step.py): forward, sample, (prompt scores,) commit. Returns its result buffers in
+        packed_step's order."""
+        R, K = arrays.idx_mapping.shape[0], self.state.draft_tokens.shape[1]
+        size = step_input.shape[0]
+        resident = self._resident(size)
+        variant = sampler_variant(sampler)
+        self.state, a, f, rows, self._resident_inputs[size] = self.compiled_key(("forward", layout))(
+            self.params, self.state, resident, step_input)
+        extras = self.put(pack_extras(arrays, 1 + K, self.cfg.vocab_size, variant))
+        tokens, num_sampled, hidden, stacked = self.compiled_key(("sample", R, variant))(
+            self.params, self.state, rows, extras)
+        scores = [self.compiled_key(("score", 1, R))(self.params, hidden, stacked)] if sampler & Sampler.LOGPROBS else []
+        stream = [self.compiled_key(("stream", layout))(self.params, a, f)] if sampler & Sampler.STREAM else []
+        self.state, flat = self.compiled_key(("commit", layout))(self.params, self.state, a, f, tokens, num_sampled)
+        return [flat] + scores + stream
 
     def fetch(self, pending: "PendingStep") -> list["StepResult"]:
         """Wait for a dispatched launch and copy its results to the host (one transfer): one StepResult
         per model step of the launch."""
         t0 = time.perf_counter()
-        flat = to_host(pending.flat)
+        flats = [to_host(x) for x in pending.flats]
         self.timings["wait"] += time.perf_counter() - t0
-        R, K, T = pending.num_rows, pending.num_drafts, pending.num_tokens
+        R, K, T, n = pending.num_rows, pending.num_drafts, pending.num_tokens, pending.num_steps
         W = 1 + K
+        main, *extra = flats
+        sampled = np.split(extra.pop(0), n) if pending.sampler & Sampler.LOGPROBS else [None] * n
+        stream = Scores.unpack(extra.pop(0), T) if pending.sampler & Sampler.STREAM else None
         results = []
-        for step in np.split(flat, pending.num_steps):
-            tokens, num_sampled, drafts, ids, sampled, stream = np.split(
-                step, np.cumsum([R * W, R, R * K, T, packed_size(R * W) if pending.sampler & Sampler.LOGPROBS else 0]))
-            results.append(StepResult(
-                tokens.reshape(R, W), num_sampled, drafts.reshape(R, K), ids,
-                Scores.unpack(sampled, R * W) if sampled.size else None,
-                Scores.unpack(stream, T) if stream.size else None))
+        for step, scores in zip(np.split(main, n), sampled):
+            tokens, num_sampled, drafts, ids = np.split(step, np.cumsum([R * W, R, R * K]))
+            results.append(StepResult(tokens.reshape(R, W), num_sampled, drafts.reshape(R, K), ids,
+                                      Scores.unpack(scores, R * W) if scores is not None else None, stream))
         return results
 
     def run(self, arrays: StepArrays, width: int = 0) -> "StepResult":
@@ -405,7 +368,8 @@ def to_host(x) -> np.ndarray:
 
 @dataclasses.dataclass
 class PendingStep:
-    flat: Any  # device int32 buffer [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] per model step
+    # device int32 buffers that make [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] per model step
+    flats: list
     num_rows: int
     num_drafts: int
     num_steps: int = 1
@@ -420,4 +384,4 @@ class StepResult:
     drafts: np.ndarray  # [R, K] MTP drafts for the next step
     input_ids: np.ndarray  # [T] the assembled tokens the model consumed
     sampled_scores: Scores | None = None  # of tokens [R*(1+K)] (row-major), with sampler & LOGPROBS
-    stream_scores: Scores | None = None  # of each of the T tokens' successors, with PROMPT_LOGPROBS
+    stream_scores: Scores | None = None  # of each of the T tokens' successors, with STREAM

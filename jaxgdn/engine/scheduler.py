@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .host_masks import needs_host_masks
+from .penalties import penalized
 from .prefix_cache import PrefixCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
 from .state import FreeList
@@ -190,6 +191,8 @@ class Scheduler:
         if num_steps <= 1 or not out.rows or (self.waiting and self.slots.num_free):
             return 1
         if any(needs_host_masks(row.request) for row in out.rows):  # each step's masks need the last tokens
+            return 1
+        if any(penalized(row.request.sampling_params) for row in out.rows):  # split launches run one step
             return 1
         # one width a launch program: 1 + K (decode rows without MTP, verify windows with it)
         width = 1 + self.K

@@ -216,17 +216,18 @@ class StateCopies:
             self._programs[local] = program
         return program
 
-    def program_names(self, snapshots: bool, imports: bool, exports: bool) -> list[tuple[str, int]]:
+    def program_names(self, snapshots: bool, imports: bool, exports: bool, transfers: bool) -> list[tuple[str, int]]:
         """(name, page bucket) of the programs of these roles."""
         names = [(n, COPIES) for n in ("save", "restore", "copy_pages")] if snapshots else []
         names += [("import", b) for b in self.handoff_buckets] if imports else []
-        return names + ([("export", b) for b in self.handoff_buckets] if exports else [])
+        names += [("export", b) for b in self.handoff_buckets] if exports else []
+        return names + ([("transfer", b) for b in self.transfer_buckets] if transfers else [])
 
     def precompile(self, state: EngineState, names: list[tuple[str, int]], source: EngineState | None = None,
                    on_compiled: Callable[[], None] | None = None) -> int:
-        """Compile the named programs (program_names) and, with source (a prefill worker's state on the same
-        devices), the transfer programs from it; XLA compiles on a pool of threads. Returns how many were new."""
-        todo = list(names) + ([("transfer", b) for b in self.transfer_buckets] if source is not None else [])
+        """Compile the named programs (program_names; transfers from source, a prefill worker's state on the same
+        devices); XLA compiles on a pool of threads. Returns how many were new."""
+        todo = [(name, b) for name, b in names if name != "transfer" or source is not None]
         before = self.num_compiles
         state_abs, source_abs = _abstract(state), _abstract(source)
         missing = []

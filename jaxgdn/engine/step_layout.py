@@ -23,6 +23,7 @@ from .scheduler import ScheduledRow, runs_verify_path
 from .state import NULL_PAGE
 
 
+HOST_ONLY = ("row_kind", "bitmask", "penalties", "logit_bias")  # StepArrays fields not in the packed buffer
 DEVICE_STOPS = 4  # stop tokens per row the device checks (the host checks them all)
 
 
@@ -193,7 +194,7 @@ def empty_step(shape: StepShape, ecfg: EngineConfig, block_q: int) -> StepArrays
 
 
 def program_layout(shape: StepShape, ecfg: EngineConfig, block_q: int) -> tuple:
-    """The static layout of a program of `shape` whose launches carry no bitmask or penalties."""
+    """The static layout of a program of `shape`."""
     return pack_step_arrays(empty_step(shape, ecfg, block_q))[1]
 
 
@@ -202,7 +203,7 @@ def pack_step_arrays(arrays: StepArrays) -> tuple[np.ndarray, tuple]:
     and its static layout ((name, shape, dtype), ...). float32/uint32 travel bit-cast, bools as 0/1."""
     parts, layout = [], []
     for name, x in vars(arrays).items():
-        if name == "row_kind" or x is None:  # host-side bookkeeping only; a bitmask only where some row has one
+        if name in HOST_ONLY or x is None:  # the split launch's sample program takes the sampling extras
             continue
         x = np.ascontiguousarray(x)
         if x.dtype.itemsize != 4 and x.dtype != np.bool_:

@@ -177,8 +177,25 @@ def sharded_step(step, mesh: Mesh):
     def run(params, state, resident, host_input, *static):
         body = lambda p, s, r, h: step(p, s, r, h, *static)  # noqa: E731
         return jax.shard_map(body, mesh=mesh, in_specs=(param_specs(params), state_specs(state), P(), P()),
-                             out_specs=(state_specs(state), P(), P()), check_vma=False)(
+                             out_specs=(state_specs(state), P(), P(), P(), P()), check_vma=False)(
             params, state, resident, host_input)
+
+    return run
+
+
+def sharded_parts(fn, mesh: Mesh, kinds: tuple[str, ...], out_kinds):
+    """fn(*arrays, *static) run per shard under shard_map: each array argument laid out as its kind says ("params":
+    param_specs, "state": state_specs, "rep": replicated), the outputs as out_kinds (a kind or a tuple of them;
+    "state" outputs take the layout of the "state" argument)."""
+
+    def run(*args):
+        arrays, static = args[: len(kinds)], args[len(kinds):]
+        layout = {"params": param_specs, "state": state_specs, "rep": lambda x: P()}
+        state = next((x for k, x in zip(kinds, arrays) if k == "state"), None)
+        out = lambda k: state_specs(state) if k == "state" else P()  # noqa: E731
+        out_specs = out(out_kinds) if isinstance(out_kinds, str) else tuple(out(k) for k in out_kinds)
+        return jax.shard_map(lambda *xs: fn(*xs, *static), mesh=mesh, in_specs=tuple(layout[k](x) for k, x in zip(kinds, arrays)),
+                             out_specs=out_specs, check_vma=False)(*arrays)
 
     return run
 

@@ -21,18 +21,11 @@ from .memory import handoff_bytes
 from .pd import Handoff, config_fingerprint, handoff_problem
 from .request import Request, SamplingParams
 from .state_copies import TRANSFER_HANDOFFS, HandoffImport, HandoffTransfer, handoff_buckets, transfer_buckets
-from .tensor_parallel import conv_channel_order
 
 STAGED_HANDOFFS = 16  # handoffs a decode server holds on the device ahead of their import (planned; fewer if tight)
 
 
 class _Worker(LLMEngine):
-    @functools.cached_property
-    def conv_order(self):
-        """The conv channel order of this worker's pools (None on one device; see tensor_parallel)."""
-        tp = self.ecfg.tensor_parallel_size
-        return conv_channel_order(self.cfg, tp) if tp > 1 else None
-
     @functools.cached_property
     def fingerprint(self) -> str:
         """What the other side of a handoff must match (config_fingerprint)."""
@@ -131,8 +124,8 @@ class PrefillWorker(_Worker):
         largest = handoff_buckets(self.ecfg.max_pages_per_seq)[-1]  # an export
         return max(super().copy_peak(with_mtp), handoff_bytes(self.step_cfg, self.ecfg, with_mtp, largest))
 
-    def handoff_programs(self) -> tuple[bool, bool]:
-        return False, self.exports
+    def handoff_programs(self) -> tuple[bool, bool, bool]:
+        return False, self.exports, False
 
 
 class DecodeWorker(_Worker):
@@ -162,8 +155,8 @@ class DecodeWorker(_Worker):
         return (prefill.placement == self.placement and prefill.ecfg.tensor_parallel_size == self.ecfg.tensor_parallel_size
                 and len(prefill.runner.state.mtp_layers) == len(self.runner.state.mtp_layers))
 
-    def handoff_programs(self) -> tuple[bool, bool]:
-        return self.source is None, False  # a connected worker copies from its prefill worker's pools instead
+    def handoff_programs(self) -> tuple[bool, bool, bool]:
+        return self.source is None, False, self.source is not None  # connected: copies from the prefill pools
 
     def copy_peak(self, with_mtp: bool) -> int:
         pages = self.ecfg.max_pages_per_seq

@@ -258,9 +258,8 @@ class AsyncEngine:
     def _step(self) -> None:
         if self.prefill is not None and self.engine is not None:  # PD in one process
             step_pair(self.prefill, self.engine, self._route)
-        elif self.prefill is not None:
-            if self.prefill.has_unfinished:
-                self.prefill.step()
+        elif self.prefill is not None:  # a prefill role (an idle engine's step schedules nothing)
+            self.prefill.step()
             self._route(self.prefill.pop_handoffs())
         elif self.engine.has_unfinished:
             self.engine.step()
