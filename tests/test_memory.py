@@ -63,6 +63,21 @@ def test_an_engine_plans_its_pool_from_the_device_memory_and_measures_its_larges
         LLMEngine(params, CFG, ecfg(dtype="float32"))
 
 
+def test_the_planned_peak_bounds_every_programs_temporaries(monkeypatch):
+    """A vocabulary large beside the token bucket (16 rows, MTP K = 2): a split launch's sample program with every
+    feature holds more temporaries than the largest step program; the plan counts it."""
+    monkeypatch.setattr(engine_module, "device_memory", lambda device=None: (GiB, 64 << 20))
+    cfg = small_config(vocab_size=8192)
+    eng = LLMEngine(init_random_params(cfg, seed=0), cfg, ecfg(gpu_memory_utilization=0.9, dtype="float32",
+                                                                max_num_seqs=16, max_num_batched_tokens=16,
+                                                                num_speculative_tokens=2))
+    eng.precompile()
+    temps = {key if isinstance(key[0], str) else ("step", *key[1:]): p.memory_analysis().temp_size_in_bytes
+             for key, p in eng.runner._programs.items()}
+    assert max(temps.values()) <= eng.memory.step_peak, (eng.memory.step_peak, sorted(temps.items(), key=lambda kv: -kv[1])[:3])
+    assert max(v for k, v in temps.items() if k[0] == "sample") > max(v for k, v in temps.items() if k[0] == "step")
+
+
 @pytest.mark.parametrize("role, limit_mib", [("both", 360), ("prefill", 200), ("decode", 200)])
 def test_pd_workers_plan_together_within_the_fraction(monkeypatch, role, limit_mib):
     """PD + MTP (K = 2) with both workers on one device that reports 360 MiB (faked on the CPU; in use: the

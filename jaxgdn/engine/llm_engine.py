@@ -135,12 +135,14 @@ class LLMEngine:
         return 0, 0
 
     def _step_peak(self, state) -> int:
-        """Bytes of the temporaries of the largest ragged step program (sampled), compiled on `state`
-        (abstract: only its shapes matter)."""
+        """Bytes of the temporaries of the largest step program: the largest ragged program (sampled), or a split
+        launch's sample program of as many rows with every feature (penalties hold [rows, 1+K, V] counts),
+        compiled on `state` (abstract: only its shapes matter)."""
         tokens = self.programs.token_buckets[-1]
         shape = StepShape(tokens, self.programs.rows_for(tokens))
-        compiled = self.runner.compile_on(program_layout(shape, self.ecfg, self.block_q), True, state)
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        keys = [(program_layout(shape, self.ecfg, self.block_q), int(Sampler.SAMPLE), 1, 0),
+                ("sample", shape.rows, max(SAMPLER_VARIANTS))]
+        return max(int(self.runner.compile_on(key, state).memory_analysis().temp_size_in_bytes) for key in keys)
 
     # ------------------------------------------------------------------------------------ programs
     def program_keys(self, sampled: bool = True) -> list[tuple]:

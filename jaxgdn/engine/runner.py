@@ -187,9 +187,10 @@ class ModelRunner:
             self._store(key, program)
         return program
 
-    def compile_on(self, layout: tuple, sampler: int, state) -> Any:
-        """A ragged program compiled for another state's shapes (memory planning), through the program cache."""
-        return self._build((layout, int(sampler), 1, 0), state)
+    def compile_on(self, key: tuple, state) -> Any:
+        """The program of a launch key compiled for another state's shapes (memory planning), through the program
+        cache."""
+        return self._build(key, state)
 
     def precompile(self, keys: list[tuple], on_compiled=None, workers: int | None = None) -> None:
         """Compile the programs of keys ((layout, sampler, num_steps, width), ...) not compiled yet:
