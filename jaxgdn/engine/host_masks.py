@@ -3,8 +3,8 @@ tokens are masked until it has that many outputs) and bad_words (a word's last t
 ends with the rest of the word).
 
 A launch carries, for each logits row of such a request, the bitmask of the tokens it may take there
-([rows * (1 + K), ceil(V / 32)] int32, only in launches that have one: program variant Sampler.GUIDED), and the
-step masks the logits with it before sampling and draft verification; logprobs stay those of the raw
+([rows * (1 + K), ceil(V / 32)] int32, only in launches that have one: split launches, sampler variant GUIDED), and
+the step masks the logits with it before sampling and draft verification; logprobs stay those of the raw
 distribution. A verify window is masked position by position: position k's mask is the state after the window's
 drafts 1..k, so a draft the masks refuse is rejected, and the tokens equal those of the same request without MTP.
 The next masks need the sampled tokens, so such a request waits for its launch's results before its next row,

@@ -8,8 +8,8 @@
 
 Each slot keeps its request's output counts [S, V] int32 and its prompt's tokens as bits [S, ceil(V/32)] on the
 device (EngineState.output_counts / prompt_tokens): written from the host when the request is admitted
-(`seed`: its prompt and, after a preemption, the outputs it had), then counted by every step of a program of
-variant Sampler.PENALIZE, which every launch holding a penalized request runs. In an MTP verify window position k
+(`seed`: its prompt and, after a preemption, the outputs it had), then counted by the commit of every split launch
+(split_step.py), which every launch holding a penalized request is. In an MTP verify window position k
 counts the window's drafts 1..k as outputs, so each position sees what the step without drafts would have seen.
 """
 

@@ -290,7 +290,8 @@ class ModelRunner:
                  sampler: int = Sampler.GREEDY) -> "PendingStep":
         """Copy the step's arrays to the device and launch its program without waiting for it.
         num_steps > 1: that many steps of a uniform program (width > 0) in the one launch (see device_step.packed_step).
-        sampler: the program variant the rows' logprobs need; SAMPLE is added where a row has temperature > 0."""
+        sampler: the scores the rows need (logprobs.launch_sampler); SAMPLE, GUIDED and PENALIZE are added from
+        the arrays. A launch with STREAM, GUIDED or PENALIZE runs split (split_step.py)."""
         if np.any((arrays.temperature > 0) & arrays.samples):
             sampler |= Sampler.SAMPLE
         if arrays.bitmask is not None:
@@ -333,7 +334,8 @@ class ModelRunner:
         extras = self.put(pack_extras(arrays, 1 + K, self.cfg.vocab_size, variant))
         tokens, num_sampled, hidden, stacked = self.compiled_key(("sample", R, variant))(
             self.params, self.state, rows, extras)
-        scores = [self.compiled_key(("score", 1, R))(self.params, hidden, stacked)] if sampler & Sampler.LOGPROBS else []
+        logprobs = sampler & Sampler.LOGPROBS
+        scores = [self.compiled_key(("score", 1, R))(self.params, hidden, stacked)] if logprobs else []
         stream = [self.compiled_key(("stream", layout))(self.params, a, f)] if sampler & Sampler.STREAM else []
         self.state, flat = self.compiled_key(("commit", layout))(self.params, self.state, a, f, tokens, num_sampled)
         return [flat] + scores + stream

@@ -142,7 +142,8 @@ def packed_commit(params: ModelParams, state: EngineState, a: StepArrays, f, tok
     Outputs are counted for every row (a penalized request's launches all run split)."""
     state, drafts, num_sampled = commit_part(params, state, a, f, tokens, num_sampled, cfg=cfg, policy=policy,
                                              count_outputs=True)
-    return state, jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), f.ids.ravel()]).astype(jnp.int32)
+    flat = jnp.concatenate([tokens.ravel(), num_sampled.ravel(), drafts.ravel(), f.ids.ravel()])
+    return state, flat.astype(jnp.int32)
 
 
 def rows_shapes(R: int, K: int, cfg: ModelConfig, hidden_dtype, sharding=None) -> SamplingRows:

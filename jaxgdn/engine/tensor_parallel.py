@@ -194,8 +194,9 @@ def sharded_parts(fn, mesh: Mesh, kinds: tuple[str, ...], out_kinds):
         state = next((x for k, x in zip(kinds, arrays) if k == "state"), None)
         out = lambda k: state_specs(state) if k == "state" else P()  # noqa: E731
         out_specs = out(out_kinds) if isinstance(out_kinds, str) else tuple(out(k) for k in out_kinds)
-        return jax.shard_map(lambda *xs: fn(*xs, *static), mesh=mesh, in_specs=tuple(layout[k](x) for k, x in zip(kinds, arrays)),
-                             out_specs=out_specs, check_vma=False)(*arrays)
+        in_specs = tuple(layout[k](x) for k, x in zip(kinds, arrays))
+        return jax.shard_map(lambda *xs: fn(*xs, *static), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(*arrays)
 
     return run
 
