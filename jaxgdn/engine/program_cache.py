@@ -4,7 +4,7 @@ JAX's persistent compilation cache keys a program by its lowered module, so ever
 and lowers each step program (most of a start-up on a filled cache). This cache keys a program by what
 determines it instead: jaxgdn's source, the JAX and XLA versions and flags, the device, the engine's static
 settings, the launch key and the shapes of the weights and state. A hit deserializes the executable.
-It lives beside JAX's cache, in its `jaxgdn-programs` folder, on GPUs (`runner.program_cache`).
+It lives beside JAX's cache, in its `jaxgdn-programs` folder, on GPUs (`program_cache`).
 """
 
 from __future__ import annotations
@@ -117,3 +117,35 @@ class ProgramCache:
             logger.warning("program cache: not stored (%s)", e)
             Path(tmp).unlink(missing_ok=True)
 
+
+def enable_compilation_cache(directory: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (process-wide) unless the user already chose one.
+    Directory: the argument, else $JAXGDN_CACHE_DIR, else ~/.cache/jaxgdn/jax; an empty
+    $JAXGDN_CACHE_DIR turns it off. Returns the directory in use (None when off)."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    directory = directory if directory is not None else os.environ.get(
+        "JAXGDN_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxgdn", "jax"))
+    if not directory:
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0, below JAX's own 1 s
+    # floor: a GPU compiles even a small program, such as one of the preset weights' draws, in a fraction of a
+    # second, and a start-up runs dozens of them).
+    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0")
+    try:
+        floor_s = float(floor)
+    except ValueError:
+        raise ValueError(f"$JAXGDN_CACHE_MIN_COMPILE_S must be a number of seconds, got {floor!r}") from None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", floor_s)
+    return directory
+
+
+def program_cache() -> ProgramCache | None:
+    """The cache of compiled step programs beside JAX's persistent compilation cache on a GPU, or None when that
+    is off or off a GPU (a loaded XLA:CPU program once failed to find one of its own kernels; there JAX's cache
+    serves alone)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or jax.devices()[0].platform != "gpu":
+        return None
+    return ProgramCache(os.path.join(directory, "jaxgdn-programs"), os.environ.get("XLA_FLAGS", ""))

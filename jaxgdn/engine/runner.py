@@ -21,10 +21,11 @@ from ..model.policy import DEFAULT_POLICY, KernelPolicy
 from .device_step import Forwarded
 from .logprobs import Sampler, Scores
 from .state import EngineState
+from .program_cache import enable_compilation_cache, program_cache  # noqa: F401 (found here too)
 from .split_step import extras_size, is_split, pack_extras, rows_shapes, sampler_variant
 from .step_functions import (  # noqa: F401 (the caches' functions are found here too)
     _COMPILED, _STEP_FUNCTIONS, LIBRARY_GEMM_OPTIONS, _compile_and_keep, _jitted_step, _layout_size, _release_step,
-    clear_compiled_programs, enable_compilation_cache, layout_tokens, program_cache)
+    clear_compiled_programs, layout_tokens)
 from .step_layout import StepArrays, pack_step_arrays, unpack_step_arrays
 from .tensor_parallel import mesh_size
 

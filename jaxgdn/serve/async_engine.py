@@ -1,10 +1,8 @@
 """AsyncEngine: one thread steps the engine continuously; requests are added and aborted from any thread or
 asyncio task, and each request's new tokens are pushed to it after every step.
 
-It serves one of four setups: a plain engine; PD in one process (a PrefillWorker and a DecodeWorker, handoffs
-routed on the engine thread); a prefill role (a PrefillWorker whose requests end in a Handoff); a decode role
-(a DecodeWorker fed Handoffs that another process prefilled). Everything that touches an engine runs on the
-engine thread, so the engines need no locks.
+Setups: a plain engine; PD in one process (handoffs routed on the engine thread); a prefill role (requests end
+in a Handoff); a decode role (fed Handoffs another process prefilled). Only the engine thread touches an engine.
 """
 
 from __future__ import annotations
