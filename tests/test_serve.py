@@ -380,24 +380,28 @@ def test_huge_prompts_are_refused_without_blocking_the_event_loop(server):
     long text that is tokenized is tokenized off the event loop: /health answers within 100 ms throughout."""
     url, state = server
     huge = "a " * 5_242_880
+    # the bodies are serialized before polling: the server runs in this process, so a json.dumps here would
+    # hold the GIL and delay /health on the test's account
+    completion, ids, chat = ({"prompt": huge}, {"prompt": [[5] * 300_000] * 4},
+                             {"messages": [{"role": "user", "content": huge}]})
+    long_completion, long_chat = {"prompt": huge[:900_000]}, {"messages": [{"role": "user", "content": huge[:900_000]}]}
+    bodies = [json.dumps(b).encode() for b in (completion, ids, chat, long_completion, long_chat)]
     with HealthPoller(url) as health:
-        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": huge}).encode()), 413)
-        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": [[5] * 300_000] * 4}).encode()), 413)
-        assert_openai_error(post_raw(url, "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": huge}]}).encode()), 413)
+        assert_openai_error(post_raw(url, "/v1/completions", bodies[0]), 413)
+        assert_openai_error(post_raw(url, "/v1/completions", bodies[1]), 413)
+        assert_openai_error(post_raw(url, "/v1/chat/completions", bodies[2]), 413)
         # within the body limit, yet more characters than max_model_len tokens can hold: refused untokenized
-        assert_openai_error(post_raw(url, "/v1/completions", json.dumps({"prompt": huge[:900_000]}).encode()),
-                            400, "prompt")
-        assert_openai_error(post_raw(url, "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": huge[:900_000]}]}).encode()), 400, "messages")
+        assert_openai_error(post_raw(url, "/v1/completions", bodies[3]), 400, "prompt")
+        assert_openai_error(post_raw(url, "/v1/chat/completions", bodies[4]), 400, "messages")
     assert health.worst < 0.1, health.worst
 
     # a text that passes the size check is tokenized in a worker thread (the engine then refuses its length)
     per_token, state.max_request_bytes = state.tokenizer.max_token_bytes, 1 << 24
     state.tokenizer.max_token_bytes = 10_000
     try:
+        body = json.dumps({"prompt": huge[:1_000_000]}).encode()
         with HealthPoller(url) as health:
-            r = post_raw(url, "/v1/completions", json.dumps({"prompt": huge[:1_000_000]}).encode())
+            r = post_raw(url, "/v1/completions", body)
         assert_openai_error(r, 400, "prompt")
         assert "1000000 tokens" in r.json()["error"]["message"]
         assert health.worst < 0.1, health.worst
