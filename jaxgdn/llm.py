@@ -17,7 +17,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .engine.structured import Grammars
 from .engine.tensor_parallel import make_mesh
-from .engine.workers import STAGED_HANDOFFS, DecodeWorker, PrefillWorker, run_disaggregated
+from .engine.workers import STAGED_HANDOFFS, DecodeRole, decode_engine, prefill_engine, run_disaggregated
 from .model.checkpoint import load_checkpoint
 from .model.config import PRESETS, ModelConfig
 from .model.params import ModelParams, init_random_params, serving_layout
@@ -44,7 +44,7 @@ def load_model(model: str | Path, config: EngineConfig) -> tuple[ModelConfig, Mo
 
 class LLM:
     """model: a checkpoint directory, or a preset name (random weights, for benchmarks) such as
-    "qwen3.5-0.8b". config: EngineConfig (pd=True serves through a PrefillWorker and a DecodeWorker).
+    "qwen3.5-0.8b". config: EngineConfig (pd=True serves through a prefill engine and a decode engine, workers.py).
     handoff_transport "bytes" sends every
     PD handoff through to_bytes()/from_bytes() as a process boundary would. role "prefill" or "decode" builds
     one side of a PD pair only, for a server process (`jaxgdn.serve`); generate() needs role "both"."""
@@ -76,21 +76,21 @@ class LLM:
             same = (self.config.prefill_device or 0) == (self.config.decode_device or 0) if tp > 1 else (
                 pick(self.config.prefill_device) == pick(self.config.decode_device))
             share = 0.5 if role == "both" and same else 1.0
-            self.prefill_worker = PrefillWorker(params, self.model_config, self.config,
-                                                garbage_seed=garbage_seed, memory_share=share,
-                                                **place(self.config.prefill_device))
+            self.prefill_worker = prefill_engine(params, self.model_config, self.config,
+                                                 garbage_seed=garbage_seed, memory_share=share,
+                                                 **place(self.config.prefill_device))
         if self.config.pd and role != "prefill":
             # both workers on one device: the decode worker's plan leaves room for the prefill step's temporaries
             reserved = self.prefill_worker.memory.step_peak if self.prefill_worker is not None and same else 0
-            self.engine = DecodeWorker(params, self.model_config, self.config,
-                                       garbage_seed=None if garbage_seed is None else garbage_seed + 1,
-                                       decode=decode, memory_reserved=reserved, **place(self.config.decode_device),
-                                       staged_handoffs=STAGED_HANDOFFS if role == "decode" else 0)
+            self.engine = decode_engine(params, self.model_config, self.config,
+                                        garbage_seed=None if garbage_seed is None else garbage_seed + 1,
+                                        decode=decode, memory_reserved=reserved, **place(self.config.decode_device),
+                                        staged_handoffs=STAGED_HANDOFFS if role == "decode" else 0)
         elif not self.config.pd:
             self.engine = LLMEngine(params, self.model_config, self.config,
                                     garbage_seed=garbage_seed, decode=decode)
-        if isinstance(self.engine, DecodeWorker):
-            self.engine.connect(self.prefill_worker, handoff_transport)
+        if self.engine is not None and isinstance(self.engine.role, DecodeRole):
+            self.engine.role.connect(self.prefill_worker, handoff_transport)
         plan_times.__exit__()
         if self.tokenizer is not None:  # structured output's grammars over the tokenizer's vocabulary
             grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
@@ -197,8 +197,8 @@ class LLM:
         """Speculative decoding counters, PD handoff bytes, model steps and device launches of everything
         served so far (a launch may run several decode steps: decode_steps_per_launch), and the prefix cache's
         prompt tokens looked up and found (hit rate: found / looked up)."""
-        m = self.engine.spec_counters.metrics()
-        m["handoff_bytes"] = getattr(self.engine, "handoff_bytes_in", 0)  # a PD decode worker's
+        m = self.engine.update.spec_counters.metrics()
+        m["handoff_bytes"] = getattr(self.engine.role, "handoff_bytes_in", 0)  # a PD decode worker's
         m["num_steps"] = self.engine.num_steps
         m["num_launches"] = self.engine.num_launches
         stats = (self.prefill_worker or self.engine).prefix.stats  # a PD prefill worker's cache

@@ -164,10 +164,10 @@ def run_staggered(eng, prompts: list[list[int]], per_step: int, params) -> list[
 def run_recorded(eng, prompts: list[list[int]], params: list, per_step: int = 2):
     """run_staggered with every fed token recorded, to the end (async: the last launch applied too).
     Returns ([RequestOutput], [fed (position, token) list per request])."""
-    eng.record_inputs = True
+    eng.update.record_inputs = True
     rids = run_staggered(eng, prompts, per_step, params)
     eng.run_until_done()
-    return [eng.output(r) for r in rids], [eng.fed_tokens.get(r) for r in rids]
+    return [eng.output(r) for r in rids], [eng.update.fed_tokens.get(r) for r in rids]
 
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints" / "qwen35-tiny-arith"
@@ -220,7 +220,7 @@ def assert_async_equals_sync(sync, asyn, sync_eng, async_eng, extra_fed: int):
     for s, a in zip(s_fed, a_fed):
         s, a = [f for f in s if f[1] != -1], [f for f in a if f[1] != -1]
         assert set(s) <= set(a) and len(a) - len(s) <= extra_fed
-    assert async_eng.spec_counters.metrics() == sync_eng.spec_counters.metrics()
+    assert async_eng.update.spec_counters.metrics() == sync_eng.update.spec_counters.metrics()
     assert async_eng.scheduler.pages.num_free == async_eng.runner.state.layers[-1].k.shape[0] - 1
     assert async_eng.scheduler.slots.num_free == async_eng.ecfg.max_num_seqs
     for req in async_eng.requests.values():  # no booking left behind

@@ -121,7 +121,7 @@ def test_async_mtp_books_every_draft_accepted_and_undoes_it():
     assert req.num_computed == 5 + 3 and len(req.output_token_ids) == 1 + 3 and req.output_slack == 2
     assert req.output_token_ids[0] != PLACEHOLDER_TOKEN
     eng.step()  # the first window applied: random drafts are rejected, so its unused 2 come off
-    emitted = 1 + eng.spec_counters.accepted_per_position.sum()
+    emitted = 1 + eng.update.spec_counters.accepted_per_position.sum()
     assert req.num_computed == 5 + emitted + 3 and len(req.output_token_ids) == 1 + emitted + 3
     assert req.spec_excess == 3 - emitted
     eng.run_until_done()

@@ -41,7 +41,7 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
     same math, its compiler option matters on a GPU only), shorter ones the default program."""
     prompts = [prompt(i, LENGTHS[i % len(LENGTHS)]) for i in range(16)]
     eng = engine(enforce_eager=enforce_eager, library_gemms_min_tokens=16)
-    eng.record_inputs = True
+    eng.update.record_inputs = True
     r = eng.runner
     assert r.program((("input_ids", (16,), "int32"),)) is r._library_step is not r._step
     assert r.program((("input_ids", (15,), "int32"),)) is r._step
@@ -51,7 +51,7 @@ def test_sixteen_staggered_requests_equal_naive_reference(enforce_eager):
         assert out.error is None and out.finish_reason == "length"
         assert out.token_ids == reference(p, 5), f"request {rid} (prompt length {len(p)})"
         # Prompt fidelity: every token fed at a position < prompt length is the prompt token.
-        fed = eng.fed_tokens[rid]
+        fed = eng.update.fed_tokens[rid]
         assert all(tok == p[pos] for pos, tok in fed if pos < len(p))
     if not enforce_eager:  # the program set bounds the compiles: token buckets 16 and 32, greedy
         assert eng.runner.num_programs <= 2
@@ -165,13 +165,13 @@ def test_default_bf16_config_serves_like_fp32():
     greedy tokens on this model (bf16 rounding could flip near-ties; these prompts have none)."""
     import jax.numpy as jnp
 
-    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 
     p16 = init_random_params(CFG, seed=21, dtype=jnp.bfloat16)
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8,
                         num_speculative_tokens=2, pd=True)
     assert ecfg.dtype == "bfloat16"
-    P, D = PrefillWorker(p16, CFG, ecfg), DecodeWorker(p16, CFG, ecfg)
+    P, D = prefill_engine(p16, CFG, ecfg), decode_engine(p16, CFG, ecfg)
     prompts = [prompt(1100 + i, n) for i, n in enumerate((1, 5, 30))]
     rids = run_disaggregated(P, D, prompts, [SamplingParams(temperature=0, max_tokens=4)] * 3)
     assert [D.output(r).token_ids for r in rids] == [reference(p, 4) for p in prompts]
@@ -219,7 +219,7 @@ def test_a_uniform_program_equals_the_ragged_program_on_the_same_step():
     assert [row.kind for row in out.rows] == [RowKind.DECODE] * 3
     results = []
     for shape in (eng.programs.ragged(3, 3), eng.programs.launch(3, 1)):
-        arrays = build_step(out.rows, shape, eng.ecfg, eng.slot_prefill_len, eng.block_tables, eng.block_q)
+        arrays = build_step(out.rows, shape, eng.ecfg, eng.executor.slot_prefill_len, eng.executor.block_tables, eng.block_q)
         buf, layout = pack_step_arrays(arrays)
         program = eng.runner.compiled(layout, False, 1, shape.width)
         state = jax.tree_util.tree_map(jnp.copy, eng.runner.state)

@@ -8,7 +8,7 @@ from helpers import naive_greedy, outside_sampling_support, shipped_model, small
 
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.model.params import init_random_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
@@ -25,8 +25,8 @@ def test_pd_mtp_engine_on_gpu_equals_plain_greedy(input_impl, dv, gdn_impl):
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (1, 2, 3, 5, 9, 17, 40, 70)]
     ecfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, kv_page_size=8,
                         dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl=gdn_impl, input_impl=input_impl)
-    P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
-    D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)
+    P = prefill_engine(params, cfg, ecfg, garbage_seed=1)
+    D = decode_engine(params, cfg, ecfg, garbage_seed=2)
     sp = SamplingParams(temperature=0, max_tokens=6)
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):
@@ -144,7 +144,7 @@ def test_sampled_mtp_tokens_on_gpu_lie_in_the_sampling_support(steps, scheduling
     bad = {r: outside_sampling_support(params, cfg, p, eng.output(r).token_ids, sp)
            for r, p, sp in zip(rids, prompts, sps)}
     assert not any(bad.values()), bad
-    assert eng.spec_counters.metrics()["num_accepted"] > 0
+    assert eng.update.spec_counters.metrics()["num_accepted"] > 0
 
 
 def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
@@ -161,7 +161,7 @@ def test_verify_launches_of_four_steps_on_gpu_equal_single_steps():
     outs = {}
     for steps, scheduling in ((None, None), (1, False)):  # None: the engine's GPU default
         eng, rids = serve_shipped_mtp(params, cfg, prompts, sps, steps, scheduling)
-        outs[steps] = ([eng.output(r).token_ids for r in rids], eng.spec_counters.metrics())
+        outs[steps] = ([eng.output(r).token_ids for r in rids], eng.update.spec_counters.metrics())
         expected = (4, True, True) if steps is None else (1, False, False)
         assert (eng.decode_steps_per_launch, eng.num_launches < eng.num_steps, eng.async_scheduling) == expected
     assert outs[None] == outs[1]

@@ -120,7 +120,7 @@ def test_engine_with_pool_kernel_equals_plain_greedy():
 
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.request import SamplingParams
-    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
     from jaxgdn.model.params import init_random_params
 
     cfg = small_config(eos_token_ids=(), linear_value_head_dim=32)
@@ -129,8 +129,8 @@ def test_engine_with_pool_kernel_equals_plain_greedy():
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (1, 2, 5, 9, 23)]
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, kv_page_size=4,
                         dtype="float32", num_speculative_tokens=2, pd=True, gdn_impl="pallas")
-    P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
-    D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # garbage in the slots: fresh rows must ignore it
+    P = prefill_engine(params, cfg, ecfg, garbage_seed=1)
+    D = decode_engine(params, cfg, ecfg, garbage_seed=2)  # garbage in the slots: fresh rows must ignore it
     sp = SamplingParams(temperature=0, max_tokens=5)
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):

@@ -9,7 +9,7 @@ from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
 from jaxgdn.engine.logprobs import Logprob, Sampler, launch_sampler, top_k_blocked
 from jaxgdn.engine.request import SamplingParams
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
@@ -66,7 +66,7 @@ PARAMS_GREEDY = SamplingParams(temperature=0, max_tokens=7, logprobs=TOP, prompt
 def test_logprobs_equal_the_reference_in_every_mode(K, pd, async_scheduling, launch):
     cfg = ecfg(num_speculative_tokens=K, pd=pd, async_scheduling=async_scheduling, decode_steps_per_launch=launch)
     if pd:
-        P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
+        P, D = prefill_engine(PARAMS, CFG, cfg), decode_engine(PARAMS, CFG, cfg)
         rids = run_disaggregated(P, D, PROMPTS, [PARAMS_GREEDY] * len(PROMPTS), transport_bytes=True)
         outs = [D.output(r) for r in rids]
     else:
@@ -96,7 +96,7 @@ def test_accepted_drafts_report_the_target_models_logprobs():
     plain, spec = (LLMEngine(params, cfg, EngineConfig(**base, num_speculative_tokens=K, decode_steps_per_launch=n))
                    for K, n in ((0, 1), (2, 3)))
     outs = [[eng.output(r) for r in run_staggered(eng, prompts[:3], 2, sp)] for eng in (plain, spec)]
-    assert spec.spec_counters.metrics()["acceptance_rate"] > 0.5
+    assert spec.update.spec_counters.metrics()["acceptance_rate"] > 0.5
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
         for x, y in zip(a.logprobs, b.logprobs):

@@ -116,7 +116,7 @@ def assert_same_serving(single, multi, single_eng, multi_eng):
         assert (m.token_ids, m.finish_reason, m.num_drafted, m.num_accepted_drafts) == (
             s.token_ids, s.finish_reason, s.num_drafted, s.num_accepted_drafts)
     assert m_fed == s_fed  # the same tokens at the same positions, step by step
-    assert multi_eng.spec_counters.metrics() == single_eng.spec_counters.metrics()
+    assert multi_eng.update.spec_counters.metrics() == single_eng.update.spec_counters.metrics()
     assert multi_eng.num_launches < multi_eng.num_steps  # launches of several verify steps did run
     assert multi_eng.scheduler.pages.num_free == multi_eng.runner.state.layers[-1].k.shape[0] - 1  # all but null
     assert multi_eng.scheduler.slots.num_free == multi_eng.ecfg.max_num_seqs
@@ -141,7 +141,7 @@ def test_verify_launches_sync_and_async_equal_single_steps_on_accepted_drafts(K,
         assert_same_serving(single, run_recorded(multi_eng, prompts, sp), single_eng, multi_eng)
     asyn = run_recorded(async_eng, prompts, sp)
     assert single[0][1].finish_reason == "stop" and single[0][2].finish_reason == "length"
-    assert single_eng.spec_counters.metrics()["acceptance_rate"] > 0.5
+    assert single_eng.update.spec_counters.metrics()["acceptance_rate"] > 0.5
     assert async_eng.num_launches < async_eng.num_steps
     assert_async_equals_sync(single, asyn, single_eng, async_eng, extra_fed=2 * 3 * (1 + K))
     for i in (3, 4):  # the seeded samplers

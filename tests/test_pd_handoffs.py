@@ -12,7 +12,7 @@ from jaxgdn.engine.compile_times import CompileEvents
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.request import SamplingParams
 from jaxgdn.engine.state_copies import page_buckets
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.llm import LLM
 from jaxgdn.model.checkpoint import save_checkpoint
 from jaxgdn.model.params import init_random_params
@@ -62,7 +62,7 @@ def test_no_pd_mode_compiles_after_start_up(checkpoint, K, transport):
         assert llm.compiles_after_startup == 0
         m = llm.metrics()
         assert m["handoff_bytes"] > 0 and m["prefix_cache_hits"] > 0
-        assert (llm.engine.source is not None) == (transport == "object")  # in place, or exported and imported
+        assert (llm.engine.role.source is not None) == (transport == "object")  # in place, or exported and imported
     for out, p, sp in zip(outs, prompts, params):
         assert out.error is None and len(out.token_ids) == 5
         if sp.temperature == 0:
@@ -80,27 +80,27 @@ def test_a_handoff_writes_the_decode_pools_in_place(transport):
     """Every pool buffer of the decode worker keeps its device address through an import or transfer (and the step
     after it): the handoff is written into the pools, no new pool is allocated (an eager `.at[].set` makes one)."""
     cfg = ecfg(num_speculative_tokens=1)
-    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
-    D.connect(P, transport)
+    P, D = prefill_engine(PARAMS, CFG, cfg), decode_engine(PARAMS, CFG, cfg)
+    D.role.connect(P, transport)
     P.precompile(sampled=False)
     D.precompile()
-    P.submit(prompt(7, 41), SamplingParams(temperature=0, max_tokens=3))
+    P.role.submit(prompt(7, 41), SamplingParams(temperature=0, max_tokens=3))
     while P.has_unfinished:
         P.step()
-    (h,) = P.pop_handoffs()
+    (h,) = P.role.pop_handoffs()
     if transport == "bytes":
         from jaxgdn.engine.pd import Handoff
 
         h = Handoff.from_bytes(h.to_bytes())
     jax.block_until_ready(D.runner.state)
     before = _pointers(D.runner.state)
-    rid = D.submit(h)
+    rid = D.role.submit(h)
     D.step()  # admits it: the handoff is written into its pages and slot, then the prompt tail runs
     jax.block_until_ready(D.runner.state)
     assert _pointers(D.runner.state) == before
     D.run_until_done()
     assert D.output(rid).token_ids == naive_greedy(PARAMS, CFG, prompt(7, 41), 3, pad_to=128)
-    assert not P.parked and P.usage()["slots_used"] == 0 and P.usage()["kv_pages_used"] == 0
+    assert not P.role.parked and P.usage()["slots_used"] == 0 and P.usage()["kv_pages_used"] == 0
 
 
 def test_a_prefill_worker_holds_a_prompt_until_its_handoff_is_taken():
@@ -108,35 +108,35 @@ def test_a_prefill_worker_holds_a_prompt_until_its_handoff_is_taken():
     export, an abort, or dropping it unused) frees them, and a prefill worker whose slots all wait on its decode
     worker waits instead of failing."""
     cfg = ecfg(max_num_seqs=2)
-    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
-    D.connect(P)
+    P, D = prefill_engine(PARAMS, CFG, cfg), decode_engine(PARAMS, CFG, cfg)
+    D.role.connect(P)
     for i in range(3):
-        P.submit(prompt(10 + i, 9), SamplingParams(temperature=0, max_tokens=2))
+        P.role.submit(prompt(10 + i, 9), SamplingParams(temperature=0, max_tokens=2))
     for _ in range(6):  # two prompts park; the third waits for a slot, without an error
         P.step()
-    assert len(P.parked) == 2 and P.usage()["slots_used"] == 2 and P.usage()["waiting"] == 1
-    first, second = P.pop_handoffs()
-    D.submit(first)
+    assert len(P.role.parked) == 2 and P.usage()["slots_used"] == 2 and P.usage()["waiting"] == 1
+    first, second = P.role.pop_handoffs()
+    D.role.submit(first)
     D.step()  # transferred: its slot is free
-    assert len(P.parked) == 1
+    assert len(P.role.parked) == 1
     del second  # dropped without being taken: freed at the prefill worker's next step
     P.step()
-    assert len(P.parked) <= 1 and P.usage()["waiting"] == 0
+    assert len(P.role.parked) <= 1 and P.usage()["waiting"] == 0
     P.step()
-    (third,) = P.pop_handoffs()
+    (third,) = P.role.pop_handoffs()
     third.export()  # gathered into arrays: its pages and slot are free
-    assert not P.parked and P.usage()["kv_pages_used"] == 0
+    assert not P.role.parked and P.usage()["kv_pages_used"] == 0
     assert third.valid_pages == -(-third.num_computed // cfg.kv_page_size)
     assert third.kv_k.shape[1] in page_buckets(cfg.max_pages_per_seq)
 
 
 def test_run_disaggregated_frees_everything_in_both_workers():
     prompts, params = workload()
-    P, D = PrefillWorker(PARAMS, CFG, ecfg()), DecodeWorker(PARAMS, CFG, ecfg())
+    P, D = prefill_engine(PARAMS, CFG, ecfg()), decode_engine(PARAMS, CFG, ecfg())
     rids = run_disaggregated(P, D, prompts, params)
     assert all(D.output(r).error is None for r in rids)
     P.reset_prefix_cache()
-    assert not P.parked
+    assert not P.role.parked
     for e in (P, D):
         assert e.usage()["slots_used"] == 0 and e.usage()["kv_pages_used"] == 0
 
@@ -145,9 +145,9 @@ def test_the_copy_programs_temporaries_are_in_the_memory_plan():
     """Every state copy program a PD pair compiles needs at most the temporaries its worker's memory plan set aside
     for copies (XLA's memory analysis of the compiled programs)."""
     cfg = ecfg(num_speculative_tokens=1)
-    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
-    D.connect(P)
-    P.exports = True  # the export programs too
+    P, D = prefill_engine(PARAMS, CFG, cfg), decode_engine(PARAMS, CFG, cfg)
+    D.role.connect(P)
+    P.role.exports = True  # the export programs too
     P.precompile(sampled=False)
     D.precompile()
     D.copies.precompile(D.runner.state, D.copies.program_names(False, True, False, False))  # and its imports

@@ -183,7 +183,7 @@ def test_mtp_kv_on_a_hit_equals_that_of_the_whole_computation():
             drafts.setdefault(req.request_id, []).append(list(d))
             return d
 
-        eng.draft_override = record
+        eng.update.draft_override = record
         _, rids = run_two_waves(eng, prompts, sp)
         seen.append(([first_kv[r] for r in rids], [drafts[r] for r in rids],
                      [eng.output(r).num_cached_tokens for r in rids]))
@@ -296,19 +296,19 @@ def test_reset_and_switch_off():
     for _ in range(2):
         rid = off.add_request(BASE, sp)
         off.run_until_done()
-    assert off.output(rid).num_cached_tokens == 0 and not off.prefix_caching.snapshots
+    assert off.output(rid).num_cached_tokens == 0 and not off.cache.snapshots
 
 
 def test_pd_prefill_worker_caches_and_the_handoff_says_so():
     """PD + MTP: the prefill worker resumes from its cache; the decode worker's outputs equal whole computation
     and report the cached tokens."""
-    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 
     ecfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=80, kv_page_size=PAGE,
                         dtype="float32", prefix_cache_state_interval=INTERVAL, num_state_snapshots=32,
                         compilation_cache=False, pd=True,
                         num_speculative_tokens=2)
-    P, D = PrefillWorker(PARAMS, CFG, ecfg), DecodeWorker(PARAMS, CFG, ecfg)
+    P, D = prefill_engine(PARAMS, CFG, ecfg), decode_engine(PARAMS, CFG, ecfg)
     assert P.prefix.enabled and not D.prefix.enabled
     sp = SamplingParams(temperature=0, max_tokens=5)
     P.prefix.coarse = 1  # snapshots at every boundary (see engine())

@@ -10,7 +10,7 @@ from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
 from jaxgdn.engine.programs import ProgramSet, StepShape
 from jaxgdn.engine.request import SamplingParams
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.model.params import init_random_params
 
 CFG = small_config(eos_token_ids=())
@@ -37,7 +37,7 @@ def test_a_mixed_workload_after_start_up_compiles_nothing(K, pd, steps):
     prompts, sps = workload()
     config = ecfg(num_speculative_tokens=K, pd=pd, decode_steps_per_launch=steps)
     if pd:
-        P, D = PrefillWorker(PARAMS, CFG, config, garbage_seed=1), DecodeWorker(PARAMS, CFG, config, garbage_seed=2)
+        P, D = prefill_engine(PARAMS, CFG, config, garbage_seed=1), decode_engine(PARAMS, CFG, config, garbage_seed=2)
         engines = [P, D]
         compiled = P.precompile(sampled=False) + D.precompile()
         rids = run_disaggregated(P, D, prompts, sps)

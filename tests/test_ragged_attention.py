@@ -124,7 +124,7 @@ def test_engine_with_the_attention_kernel_equals_plain_greedy(monkeypatch):
     from jaxgdn.engine import forward
     from jaxgdn.engine.config import EngineConfig
     from jaxgdn.engine.request import SamplingParams
-    from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+    from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
     from jaxgdn.model.params import init_random_params
 
     cfg = small_config(eos_token_ids=())
@@ -139,8 +139,8 @@ def test_engine_with_the_attention_kernel_equals_plain_greedy(monkeypatch):
         monkeypatch.setattr(forward, name, lambda *a, fn=fn, key=key, **k: calls.update({key: calls[key] + 1})
                             or fn(*a, **k))
     forward._layer.clear_cache()
-    P = PrefillWorker(params, cfg, ecfg, garbage_seed=1)
-    D = DecodeWorker(params, cfg, ecfg, garbage_seed=2)  # NaN-free garbage in the pools: must not leak in
+    P = prefill_engine(params, cfg, ecfg, garbage_seed=1)
+    D = decode_engine(params, cfg, ecfg, garbage_seed=2)  # NaN-free garbage in the pools: must not leak in
     sp = SamplingParams(temperature=0, max_tokens=5)
     rids = run_disaggregated(P, D, prompts, [sp] * len(prompts))
     for r, p in zip(rids, prompts):

@@ -14,7 +14,7 @@ from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
 from jaxgdn.engine.pd import Handoff
 from jaxgdn.engine.request import RowKind, SamplingParams
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.model.cache import init_cache
 from jaxgdn.model.forward import forward
 from jaxgdn.model.params import init_random_params
@@ -46,13 +46,13 @@ def serve(prompts, K, pd, eager=False, bug=False, per_step=2, garbage=3, params=
     """Serve prompts with staggered arrivals; returns (outputs, decode engine)."""
     cfg = ecfg(num_speculative_tokens=K, enforce_eager=eager, reproduce_pd_mtp_bug=bug, pd=pd, **kw)
     if pd:
-        P = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=garbage)
-        D = DecodeWorker(PARAMS, CFG, cfg, garbage_seed=garbage + 1)
-        D.record_inputs = True
+        P = prefill_engine(PARAMS, CFG, cfg, garbage_seed=garbage)
+        D = decode_engine(PARAMS, CFG, cfg, garbage_seed=garbage + 1)
+        D.update.record_inputs = True
         rids = run_disaggregated(P, D, prompts, [params] * len(prompts), transport_bytes=transport_bytes)
         return [D.output(r) for r in rids], D
     eng = LLMEngine(PARAMS, CFG, cfg, garbage_seed=garbage)
-    eng.record_inputs = True
+    eng.update.record_inputs = True
     rids = run_staggered(eng, prompts, per_step, params)
     return [eng.output(r) for r in rids], eng
 
@@ -60,7 +60,7 @@ def serve(prompts, K, pd, eager=False, bug=False, per_step=2, garbage=3, params=
 def assert_prompt_fidelity(eng, outputs):
     for out in outputs:
         p = out.prompt_token_ids
-        assert all(tok == p[pos] for pos, tok in eng.fed_tokens.get(out.request_id, []) if pos < len(p))
+        assert all(tok == p[pos] for pos, tok in eng.update.fed_tokens.get(out.request_id, []) if pos < len(p))
 
 
 # The default suite keeps one case per axis (no PD / PD, buckets / eager, K = 1, 2, 3); `-m slow` adds the rest.
@@ -77,9 +77,9 @@ def test_greedy_losslessness(K, pd, eager, concurrency):
     for out, p in zip(outs, prompts):
         assert out.error is None and out.token_ids == ref(p), f"prompt length {len(p)}"
     assert_prompt_fidelity(eng, outs)
-    assert eng.spec_counters.metrics()["num_drafted"] > 0
+    assert eng.update.spec_counters.metrics()["num_drafted"] > 0
     if pd:
-        assert eng.handoff_bytes_in > 0
+        assert eng.role.handoff_bytes_in > 0
 
 
 def test_regression_47466_reproduced_and_fixed():
@@ -101,7 +101,7 @@ def test_regression_47466_reproduced_with_prefix_cache_hits():
     outs = {}
     for bug in (False, True):
         cfg = ecfg(num_speculative_tokens=1, pd=True, reproduce_pd_mtp_bug=bug, prefix_cache_state_interval=8)
-        P, D = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=3), DecodeWorker(PARAMS, CFG, cfg, garbage_seed=4)
+        P, D = prefill_engine(PARAMS, CFG, cfg, garbage_seed=3), decode_engine(PARAMS, CFG, cfg, garbage_seed=4)
         P.prefix.coarse = 1  # a snapshot at every interval boundary, not every 4th only
         run_disaggregated(P, D, [shared + [5, 6]], [GREEDY])  # fills the cache
         rids = run_disaggregated(P, D, prompts, [GREEDY] * len(prompts))
@@ -148,17 +148,17 @@ def test_pd_state_equivalence_after_first_decode_step(padded):
     K = 2
     p = prompt(7, 11)
     cfg = ecfg(num_speculative_tokens=K, pd=True)
-    P = PrefillWorker(PARAMS, CFG, cfg, garbage_seed=5)
-    D = DecodeWorker(PARAMS, CFG, cfg, garbage_seed=6)
-    P.submit(p, GREEDY)
+    P = prefill_engine(PARAMS, CFG, cfg, garbage_seed=5)
+    D = decode_engine(PARAMS, CFG, cfg, garbage_seed=6)
+    P.role.submit(p, GREEDY)
     while P.has_unfinished:
         P.step()
-    (h,) = P.pop_handoffs()
+    (h,) = P.role.pop_handoffs()
     assert h.num_computed == len(p) - 1 and Handoff.from_bytes(h.to_bytes()).num_computed == h.num_computed
     if padded:  # a running request in D makes the scheduler pad the tail to 1+K placeholders
         D.add_request(prompt(8, 3), SamplingParams(temperature=0, max_tokens=20))
         D.step()
-    rid = D.submit(h)
+    rid = D.role.submit(h)
     out = D.step()
     (row,) = [r for r in out.rows if r.request.request_id == rid]
     assert row.kind == RowKind.PROMPT_TAIL and row.padded_tail == padded
@@ -186,7 +186,7 @@ def test_adversarial_drafts_change_acceptance_only(kind):
 
     cfg = ecfg(num_speculative_tokens=K)
     eng = LLMEngine(PARAMS, CFG, cfg, garbage_seed=2)
-    eng.draft_override = override
+    eng.update.draft_override = override
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12)) for p in prompts]
     accepted_in_range = True
     while eng.has_unfinished:
@@ -198,7 +198,7 @@ def test_adversarial_drafts_change_acceptance_only(kind):
     assert accepted_in_range
     for r, p in zip(rids, prompts):
         assert eng.output(r).token_ids == truth[tuple(p)]
-    m = eng.spec_counters.metrics()
+    m = eng.update.spec_counters.metrics()
     if kind == "true_argmax":
         assert m["acceptance_rate"] > 0.9
     elif kind in ("placeholder", "out_of_range"):
@@ -245,14 +245,14 @@ def test_temperature_sampling_with_mtp_matches_plain_sampling():
     def third_tokens(K):
         eng = LLMEngine(params, cfg_v, ecfg(num_speculative_tokens=K, max_num_seqs=32, max_num_batched_tokens=128))
         if K:
-            eng.draft_override = lambda req, d: [req.output_token_ids[-1] % 8, 2][:K]
+            eng.update.draft_override = lambda req, d: [req.output_token_ids[-1] % 8, 2][:K]
         rids = [eng.add_request([1, 2, 3], sp) for _ in range(1500)]
         eng.run_until_done()
         return np.bincount([eng.output(r).token_ids[2] for r in rids], minlength=8), eng
 
     plain, _ = third_tokens(0)
     spec, eng = third_tokens(2)
-    assert eng.spec_counters.metrics()["num_accepted"] > 50  # both the accept and the residual paths ran
+    assert eng.update.spec_counters.metrics()["num_accepted"] > 50  # both the accept and the residual paths ran
     table = np.stack([plain, spec]).astype(float)
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     keep = expected.min(0) > 0
@@ -306,7 +306,7 @@ def test_one_row_kind_drives_every_consumer(bug):
 
     K = 2
     cfg = ecfg(num_speculative_tokens=K, pd=True, reproduce_pd_mtp_bug=bug)
-    P, D = PrefillWorker(PARAMS, CFG, cfg), DecodeWorker(PARAMS, CFG, cfg)
+    P, D = prefill_engine(PARAMS, CFG, cfg), decode_engine(PARAMS, CFG, cfg)
     seen = set()
     dispatch, fetch = D.runner.dispatch, D.runner.fetch
     launched = {}  # id of a launch's pending results -> its arrays
@@ -374,5 +374,5 @@ def test_a_repeated_workload_compiles_nothing():
         serve_all()
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
-    assert eng.spec_counters.metrics()["acceptance_rate"] < 1  # rejections happened: the verify path varied
+    assert eng.update.spec_counters.metrics()["acceptance_rate"] < 1  # rejections happened: the verify path varied
     assert lowerings == []

@@ -92,7 +92,7 @@ def test_step_arrays_travel_as_one_buffer_and_unpack_exactly():
 def test_request_token_slice_matches_the_concatenated_sequence():
     req = Request(0, [10, 11, 12], SamplingParams(), RequestMetrics(arrival_time=0.0))
     req.output_token_ids = [20, 21]
-    full = req.all_token_ids
+    full = req.prompt_token_ids + req.output_token_ids
     for a in range(6):
         for b in range(a, 7):
             assert req.token_slice(a, b) == full[a:b]

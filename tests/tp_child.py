@@ -26,7 +26,7 @@ from jaxgdn.engine.config import EngineConfig  # noqa: E402
 from jaxgdn.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxgdn.engine.request import SamplingParams  # noqa: E402
 from jaxgdn.engine.tensor_parallel import make_mesh  # noqa: E402
-from jaxgdn.engine.workers import DecodeWorker, PrefillWorker, run_disaggregated  # noqa: E402
+from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated  # noqa: E402
 from jaxgdn.model.params import init_random_params  # noqa: E402
 
 
@@ -68,10 +68,10 @@ def serve(setting: dict) -> list[list[int]]:
         # "decode_from": the decode worker's mesh starts at that device (its own devices), else both share one
         start = setting.get("decode_from", 0)
         decode_at = {"mesh": make_mesh(jax.devices()[start:], setting["tp"])} if setting["tp"] > 1 else {}
-        prefill = PrefillWorker(weights, cfg, ecfg, memory_share=0.5 if not start else 1.0)
-        engine = DecodeWorker(weights, cfg, ecfg, **decode_at)
+        prefill = prefill_engine(weights, cfg, ecfg, memory_share=0.5 if not start else 1.0)
+        engine = decode_engine(weights, cfg, ecfg, **decode_at)
         if setting.get("precompile"):  # as LLM(...) starts a PD pair: handoffs copied in place on one mesh
-            engine.connect(prefill, "bytes" if setting.get("bytes") else "object")
+            engine.role.connect(prefill, "bytes" if setting.get("bytes") else "object")
             prefill.precompile(sampled=False)
             engine.precompile()
             events = CompileEvents().start()

@@ -8,6 +8,8 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
+
 
 def time_calls(call, sync, iters: int = 20, repeats: int = 5, warmup: int = 2) -> float:
     """Milliseconds per call of `call()` issued back to back (launch overhead included, as a server sees
@@ -212,3 +214,11 @@ def ensure_triton_cache_dir(directory: str = DEFAULT_TRITON_CACHE_DIR) -> None:
             knobs.cache.dir = directory
     except Exception:  # noqa: BLE001  (older Triton without knobs: the environment variable is enough)
         pass
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50, p99 and mean of values (None each when there are none)."""
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    a = np.asarray(values)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}

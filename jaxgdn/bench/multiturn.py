@@ -27,7 +27,7 @@ def serve_conversations(llm, conversations, max_model_len: int) -> dict:
     ends its conversation. Returns wall time, tokens, TTFT and TPOT percentiles (ms; no ITL) and the prefix cache's
     hit rate."""
     from ..engine.request import SamplingParams
-    from .serve import _percentiles
+    from .common import percentiles
 
     if llm.prefill_worker is not None:
         raise SystemExit("bench serve --dataset multiturn serves one engine (no --pd)")
@@ -70,7 +70,7 @@ def serve_conversations(llm, conversations, max_model_len: int) -> dict:
             "output_tokens": output_tokens, "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
             "output_tokens_per_s": output_tokens / wall,
             "prefix_cache_hit_rate": found / looked_up if looked_up else None, "prefix_cache_hit_tokens": found,
-            "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles([])}
+            "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles([])}
 
 
 def conversation_requests(conversations, max_model_len: int) -> list[tuple[list[int], int]]:

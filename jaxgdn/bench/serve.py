@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from .common import percentiles
+
 SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA = 220, 170, 1.0  # means of ShareGPT's conversations
 
 
@@ -61,13 +63,6 @@ def make_requests(args, vocab: int, tokenizer=None) -> list[tuple[list[int], int
     return [([int(t) for t in rng.integers(0, vocab, int(m))], int(o)) for m, o in zip(lengths, outputs)]
 
 
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"p50": None, "p99": None, "mean": None}
-    a = np.asarray(values)
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
-
-
 # --json-schema: nested objects, an enum and strings, in an array whose minItems no request reaches
 BENCH_SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
     "type": "array", "minItems": 100000, "items": {
@@ -83,7 +78,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
     PD (llm.prefill_worker) a prompt goes to the prefill worker and its handoff to the decode worker, the two
     stepping in turn. Returns wall time, token counts and latency percentiles (ms)."""
     from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
-    from ..engine.workers import step_pair
+    from ..engine.workers import needs_prefill, step_pair
     from .serve_pd import handoff_stats
 
     eng, prefill = llm.engine, llm.prefill_worker
@@ -103,7 +98,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
         for h in handoffs:
             prefill.forget(h.request_id)
             handoff_bytes.append(h.nbytes)
-            rid_of[in_prefill.pop(h.request_id)] = eng.submit(h)
+            rid_of[in_prefill.pop(h.request_id)] = eng.role.submit(h)
 
     for e in llm.engines:
         e.copies.handoff_seconds.clear()
@@ -129,8 +124,8 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
             arrival, (prompt, max_tokens) = pending.pop(0)
             i, sp = len(requests) - len(pending) - 1, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                                                           logprobs=logprobs, structured_outputs=structured)
-            if prefill is not None and len(prompt) > 1:
-                in_prefill[prefill.submit(prompt, sp)] = i
+            if prefill is not None and needs_prefill(prompt):
+                in_prefill[prefill.role.submit(prompt, sp)] = i
             else:
                 rid_of[i] = eng.add_request(prompt, sp)
             live[i] = (max(arrival, now), [])
@@ -165,7 +160,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
             "prefix_cache_hit_rate": found / looked_up if looked_up else None, "prefix_cache_hit_tokens": found,
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
-            "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl)}
+            "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl)}
 
 
 def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from .serve import _percentiles, _tokenizer, _vocab, make_requests
+from .common import percentiles
+from .serve import _tokenizer, _vocab, make_requests
 
 
 async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -75,7 +76,7 @@ async def _run(args, requests) -> dict:
     return {"model": model, "wall_s": wall, "requests": len(requests), "errors": len(errors), "first_errors": errors[:3],
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "output_tokens_per_s": output_tokens / wall,
-            "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot), "itl_ms": _percentiles(itl),
+            "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
             "compiles_after_startup": _metric(metrics_after, "jaxgdn_compiles_after_startup"),
             "server_generation_tokens": _metric(metrics_after, "jaxgdn_generation_tokens_total")
             - _metric(metrics_before, "jaxgdn_generation_tokens_total")}

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from .serve import _percentiles
+from .common import percentiles
 
 
 def handoff_stats(llm, nbytes: list[int]) -> dict:
@@ -16,8 +16,8 @@ def handoff_stats(llm, nbytes: list[int]) -> dict:
     for e in llm.engines:
         for kind, s in e.copies.handoff_seconds:
             seconds.setdefault(kind, []).append(s * 1e3)
-    return {"count": len(nbytes), "bytes": _percentiles(nbytes),
-            **{f"{kind}_ms": _percentiles(v) for kind, v in sorted(seconds.items())}}
+    return {"count": len(nbytes), "bytes": percentiles(nbytes),
+            **{f"{kind}_ms": percentiles(v) for kind, v in sorted(seconds.items())}}
 
 
 def handoff_device_ms(llm, length: int, repeats: int = 20) -> dict:
@@ -30,11 +30,11 @@ def handoff_device_ms(llm, length: int, repeats: int = 20) -> dict:
 
     prefill, eng = llm.prefill_worker, llm.engine
     rng = np.random.default_rng(length)
-    prefill.submit([int(t) for t in rng.integers(0, llm.model_config.vocab_size, length)],
+    prefill.role.submit([int(t) for t in rng.integers(0, llm.model_config.vocab_size, length)],
                    SamplingParams(temperature=0, max_tokens=1))
     while prefill.has_unfinished:
         prefill.step()
-    (h,) = prefill.pop_handoffs()
+    (h,) = prefill.role.pop_handoffs()
     n = h.num_pages(eng.ecfg.kv_page_size)
     (slot,), pages = eng.scheduler.slots.allocate(1), eng.scheduler.pages.allocate(n)
     try:
@@ -52,7 +52,7 @@ def handoff_device_ms(llm, length: int, repeats: int = 20) -> dict:
             eng.runner.state = eng.copies.run(eng.runner.state, [op])
             jax.block_until_ready(eng.runner.state)
             times.append((time.perf_counter() - t0) * 1e3)
-        return {"prompt_len": length, "bytes": h.nbytes, "kind": type(op).__name__, **_percentiles(times[2:])}
+        return {"prompt_len": length, "bytes": h.nbytes, "kind": type(op).__name__, **percentiles(times[2:])}
     finally:
         eng.scheduler.slots.free([slot])
         eng.scheduler.pages.free(pages)

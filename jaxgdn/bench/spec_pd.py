@@ -49,7 +49,7 @@ def shipped_model_spec(model_dir: str, ks, num_prompts: int, max_tokens: int,
         # the median of 3: one serve is ~30-90 ms, and single runs of it moved up to 2x between calls
         runs = sorted(serve() for _ in range(3))
         dt, generated = runs[1]
-        m = eng.spec_counters.metrics() if K else {}
+        m = eng.update.spec_counters.metrics() if K else {}
         rows.append({"K": K, "requests": len(prompts), "generated": generated, "seconds": dt,
                      "async_scheduling": eng.async_scheduling,
                      "tokens_per_s": generated / dt, "mean_acceptance_length": m.get("mean_acceptance_length"),
@@ -126,17 +126,17 @@ def _handoff_for(params, cfg, length: int, device):
     """Run one prompt of `length` tokens through a prefill worker; returns its handoff, exported."""
     from ..engine.config import EngineConfig
     from ..engine.request import SamplingParams
-    from ..engine.workers import PrefillWorker
+    from ..engine.workers import prefill_engine
 
     ps = 16
     ecfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=length, max_model_len=length + 16, kv_page_size=ps,
                         num_kv_pages=-(-(length + 16) // ps) + 2, dtype="bfloat16", pd=True, prefill_device=device)
-    P = PrefillWorker(params, cfg, ecfg)
+    P = prefill_engine(params, cfg, ecfg)
     prompt = [int(t) for t in np.random.default_rng(length).integers(0, cfg.vocab_size, length)]
-    P.submit(prompt, SamplingParams(temperature=0, max_tokens=1))
+    P.role.submit(prompt, SamplingParams(temperature=0, max_tokens=1))
     while P.has_unfinished:
         P.step()
-    return P.pop_handoffs()[0].export()  # its arrays, gathered from the prefill worker's pools
+    return P.role.pop_handoffs()[0].export()  # its arrays, gathered from the prefill worker's pools
 
 
 def handoff_costs(handoff, target_device, repeats: int = 5) -> dict:

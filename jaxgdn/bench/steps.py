@@ -162,7 +162,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
 
     def steps_back():  # model steps per row whose results reached the host
         # A verify step emits 1..1+K tokens a row: count the verify rows applied, not the tokens.
-        return eng.spec_counters.num_verify_rows / batch if K else tokens_back() / batch
+        return eng.update.spec_counters.num_verify_rows / batch if K else tokens_back() / batch
 
     times, t_first, before, after = [], time.perf_counter(), None, None
     first_timed = target = None  # the window's first call; steps_back() that ends it
@@ -207,7 +207,7 @@ def engine_decode_ms(params, cfg, batch: int, prompt_len: int, steps: int, K: in
            "host_phase_ms_per_step": phases,
            "steps": eng.num_steps, "launches": eng.num_launches, "generated": generated,
            "compiled_shapes": eng.runner.num_compiles, "total_s_incl_compile": time.perf_counter() - t_first,
-           "spec": eng.spec_counters.metrics() if K else None,
+           "spec": eng.update.spec_counters.metrics() if K else None,
            # greedy tokens are a function of the program's arithmetic: equal digests across processes that
            # compiled the step differently (XLA flags, kernel forms) mean they computed the same tokens
            "tokens_digest": tokens_digest(eng, first=16)}

@@ -93,6 +93,13 @@ class MemoryPlan:
     staged_handoffs: int = 0  # PD handoffs a decode server may hold on the device ahead of their import
     staged_bytes: int = 0  # their bytes
 
+    def check(self, ecfg: EngineConfig) -> "MemoryPlan":
+        """Raise ValueError when the usable pages cannot hold one sequence of max_model_len; else self."""
+        if self.num_kv_pages - 1 < ecfg.max_pages_per_seq:
+            raise ValueError(f"EngineConfig: {self.num_kv_pages - 1} usable KV pages cannot hold one sequence of "
+                             f"max_model_len {ecfg.max_model_len} ({ecfg.max_pages_per_seq} pages of {ecfg.kv_page_size})")
+        return self
+
     def describe(self, ecfg: EngineConfig) -> str:
         pages = self.num_kv_pages - 1
         parts = [f"KV pages {pages} ({pages * ecfg.kv_page_size} tokens of context, "

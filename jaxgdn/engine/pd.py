@@ -31,7 +31,7 @@ class Handoff:
     kv_k/kv_v: [n_attention_layers, P, page_size, Hkv, D] (positions 0..num_computed-1 in order: the first
     ceil(num_computed / page_size) pages count, a device copy may carry padding pages after them);
     mtp_k/mtp_v: [n_mtp_layers, P, page_size, Hkv, D]; conv: [n_gdn_layers, Kc-1, C]; ssm: [n_gdn_layers, Hv, dk, dv] fp32.
-    A handoff fresh from a PrefillWorker has no arrays yet: its state stays in the prefill worker's pages and slot
+    A handoff fresh from a prefill engine (workers.PrefillRole) has no arrays yet: its state stays in the prefill worker's pages and slot
     (`source`) until a decode worker on the same devices copies it from there, or `export()` gathers it.
     """
 

@@ -26,10 +26,6 @@ class StepShape:
     width: int = 0
     num_steps: int = 1
 
-    @property
-    def uniform(self) -> bool:
-        return self.width > 0
-
 
 def _pow2_at_least(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
@@ -79,3 +75,4 @@ class ProgramSet:
         if self.launch_steps > 1:
             shapes += [self.launch(r, self.launch_steps) for r in self.uniform_rows]
         return shapes
+

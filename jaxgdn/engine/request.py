@@ -171,7 +171,7 @@ PLACEHOLDER_TOKEN = -1
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """Host-side request state. `num_computed` tokens of `all_token_ids` are in the caches.
+    """Host-side request state. The first `num_computed` tokens of prompt + outputs are in the caches.
     Compared by identity: the scheduler's membership checks must not compare token lists."""
 
     request_id: int
@@ -228,12 +228,8 @@ class Request:
             self._prompt_array = np.asarray(self.prompt_token_ids, np.int32)
         return self._prompt_array
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without concatenating the whole sequence (host step assembly)."""
+        """(prompt + outputs)[start:end] without concatenating the whole sequence (host step assembly)."""
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]

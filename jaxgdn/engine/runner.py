@@ -359,11 +359,6 @@ class ModelRunner:
                                       Scores.unpack(scores, R * W) if scores is not None else None, stream))
         return results
 
-    def run(self, arrays: StepArrays, width: int = 0) -> "StepResult":
-        """Run one step and bring its results back. self.timings sums the seconds of each phase: transfer
-        (host-to-device copy), dispatch (launch of the step program), wait (for its results)."""
-        return self.fetch(self.dispatch(arrays, 1, width))[0]
-
 
 def to_host(x) -> np.ndarray:
     """A replicated device array on the host, from this process's first copy where the array spans processes."""

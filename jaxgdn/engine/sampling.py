@@ -45,9 +45,10 @@ def filtered_log_probs(logits, temperature, top_k, top_p):
     return jax.nn.log_softmax(scaled, axis=-1)
 
 
-def sample_tokens(logits, temperature, top_k, top_p, keys):
-    """logits [L, V]; per-row params [L]; keys [L] -> tokens [L] int32 (argmax where temperature == 0)."""
-    greedy = jnp.argmax(logits, axis=-1)
+def sample_tokens(logits, temperature, top_k, top_p, keys, argmax=None):
+    """logits [L, V]; per-row params [L]; keys [L] -> tokens [L] int32 (argmax where temperature == 0; argmax [L]:
+    the logits' argmax when the caller has it)."""
+    greedy = jnp.argmax(logits, axis=-1) if argmax is None else argmax
     logp = filtered_log_probs(logits, temperature, top_k, top_p)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
     sampled = jnp.argmax(logp + gumbel, axis=-1)

@@ -13,17 +13,12 @@ import collections
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
-
 from .config import EngineConfig
 from .host_masks import needs_host_masks
 from .penalties import penalized
 from .prefix_cache import PrefixCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestStatus, RowKind
 from .state import FreeList
-
-if TYPE_CHECKING:
-    from .runner import PendingStep
 
 
 @dataclasses.dataclass
@@ -80,14 +75,16 @@ def runs_verify_path(row: "ScheduledRow", reproduce_pd_mtp_bug: bool) -> bool:
 
 
 class Scheduler:
-    """prefix: the prefix cache, whose page allocator the scheduler uses (None: one with caching off)."""
+    """Allocates from the cache manager's pages and slots (cache_manager.py): pass its `prefix` and `slots` (None:
+    a prefix cache with caching off over num_pages pages, and slots of its own)."""
 
-    def __init__(self, ecfg: EngineConfig, num_pages: int, prefix: PrefixCache | None = None):
+    def __init__(self, ecfg: EngineConfig, num_pages: int, prefix: PrefixCache | None = None,
+                 slots: FreeList | None = None):
         self.ecfg = ecfg
         self.K = ecfg.num_speculative_tokens
         self.prefix = prefix or PrefixCache(num_pages, ecfg.kv_page_size, 0, 0, enabled=False)
         self.pages = self.prefix.pages  # page 0 is the null page
-        self.slots = FreeList(ecfg.num_slots, "request slots")  # slot 0 is the null slot
+        self.slots = slots or FreeList(ecfg.num_slots, "request slots")  # slot 0 is the null slot
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -98,6 +95,22 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def usage(self) -> dict:
+        """Requests running and waiting, KV pages and request slots in use and in all (page 0 and slot 0, the null
+        ones, not counted)."""
+        pages, slots = len(self.pages.refs) - 1, self.ecfg.num_slots - 1
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_pages_used": pages - self.pages.num_free, "kv_pages_total": pages,
+                "slots_used": slots - self.slots.num_free, "slots_total": slots}
+
+    def near_length_limit(self, steps_per_launch: int) -> bool:
+        """MTP: a running request might be within one launch of verify windows of max_model_len, where schedule()
+        shortens windows by what the host's booking (every draft accepted) says is left."""
+        if not self.K:
+            return False
+        reach = steps_per_launch * (1 + self.K) + self.K
+        return any(r.num_computed + reach > self.ecfg.max_model_len for r in self.running)
 
     def pages_needed(self, req: Request, seq_len: int) -> int:
         return max(0, math.ceil(seq_len / self.ecfg.kv_page_size) - len(req.pages))
@@ -265,15 +278,3 @@ class Scheduler:
             budget -= row.num_tokens
         return SchedulerOutput(rows=rows, preempted=preempted)
 
-
-@dataclasses.dataclass
-class InFlight:
-    """A dispatched step (async scheduling): its rows, device results, each row's first position as
-    booked, the index of its first placeholder output token (-1 for rows that do not sample), and each
-    request's spec_excess when it was booked."""
-
-    out: SchedulerOutput
-    pending: PendingStep
-    starts: list[int]
-    out_index: list[int]
-    excess: list[int]

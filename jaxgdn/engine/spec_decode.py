@@ -12,11 +12,10 @@ tail) are never accepted.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .sampling import filtered_log_probs
+from .sampling import sample_tokens
 
 
 def verify_drafts(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic: bool = True, *,
@@ -43,13 +42,9 @@ def _verify(logits, drafts, n_draft, temperature, top_k, top_p, keys, stochastic
     R, W = argmax.shape
     V = logits.shape[-1] if logits is not None else vocab_size
     K = W - 1
-    greedy = (temperature == 0)[:, None]
-    if stochastic:
-        t_rows = jnp.repeat(temperature, W)
-        logp = filtered_log_probs(logits.reshape(R * W, V), t_rows, jnp.repeat(top_k, W), jnp.repeat(top_p, W))
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys.reshape(-1))
-        drawn = jnp.argmax(logp + gumbel, axis=-1).reshape(R, W)
-        plain = jnp.where(greedy, argmax, drawn)  # the token each position draws without drafts
+    if stochastic:  # the token each position draws without drafts
+        plain = sample_tokens(logits.reshape(R * W, V), jnp.repeat(temperature, W), jnp.repeat(top_k, W),
+                              jnp.repeat(top_p, W), keys.reshape(-1), argmax.reshape(-1)).reshape(R, W)
     else:
         plain = argmax
 

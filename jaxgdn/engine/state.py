@@ -11,7 +11,7 @@ Device side: `EngineState`, one pytree donated to every jitted step.
     and the penalties' output_counts [num_slots, V] and prompt_tokens [num_slots, ceil(V/32)].
 Beside it, never an argument of a step program (each argument costs every launch's dispatch): the prefix cache's
 snapshots (`init_snapshots`), per GDN layer conv [N, Kc-1, C] and ssm [N, Hv, dk, dv] fp32, the state after a
-cached prefix (`snapshots.py`); snapshot 0 is the null one padding copies write.
+cached prefix (`cache_manager.py`); snapshot 0 is the null one padding copies write.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .config import EngineConfig
 
 Array = Any
 NULL_PAGE = 0
-NULL_SLOT = 0
 
 
 class FreeList:

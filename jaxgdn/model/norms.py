@@ -98,7 +98,3 @@ def gated_rms_norm(o, z, weight, eps: float, out_dtype):
     y = upcast(weight) * upcast(n)
     return (y * jax.nn.silu(upcast(z))).astype(out_dtype)
 
-
-def l2_normalize(x, eps: float = 1e-6):
-    """x * rsqrt(sum(x^2) + eps) over the last axis (eps inside the sqrt, as FLA and HF)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine.pd import Handoff
 from ..engine.request import SamplingParams
+from ..engine.workers import needs_prefill
 from ..model.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDead, EngineFull, RequestTimedOut
 from .inputs import BodyLimit, check_text_fits, default_max_request_bytes, encode_text, prompt_ids
@@ -92,7 +93,7 @@ def build_app(state: ServerState) -> FastAPI:
 
             state.http = httpx.AsyncClient(base_url=state.prefill_url, timeout=None)
         if state.role == "decode":
-            state.staging = asyncio.Semaphore(max(1, state.front.engine.staged_handoffs))
+            state.staging = asyncio.Semaphore(max(1, state.front.engine.role.staged_handoffs))
         yield
         # uvicorn has let the open requests finish (or its graceful timeout ran out): abort the rest
         state.front.shutdown(abort=state.shutdown_abort)
@@ -240,7 +241,7 @@ async def _generate(state: ServerState, ids: list[int], sp: SamplingParams, hand
     """The request's deltas; a decode role with a prefill URL fetches the prompt's handoff first."""
     if handoff is not None:
         ids = None
-    elif state.http is not None and len(ids) > 1:
+    elif state.http is not None and needs_prefill(ids):
         import httpx
 
         try:

@@ -21,7 +21,7 @@ from ..engine.compile_times import CompileEvents
 from ..engine.llm_engine import LLMEngine
 from ..engine.pd import Handoff
 from ..engine.request import PLACEHOLDER_TOKEN, RequestOutput, SamplingParams
-from ..engine.workers import DecodeWorker, PrefillWorker, step_pair
+from ..engine.workers import DecodeRole, needs_prefill, step_pair
 
 logger = logging.getLogger("jaxgdn.serve")
 
@@ -76,16 +76,16 @@ class _Stream:
 
 
 class AsyncEngine:
-    """prefill: a PrefillWorker (PD in one process with `engine` a DecodeWorker; a prefill role alone);
-    engine: an LLMEngine or DecodeWorker. max_waiting: requests queued beyond the running ones before
+    """prefill: an engine with a PrefillRole (PD in one process with `engine` one with a DecodeRole; a prefill role
+    alone); engine: an LLMEngine (any role). max_waiting: requests queued beyond the running ones before
     `submit` refuses more (EngineFull). on_emit: called on the engine thread after each step's deltas."""
 
-    def __init__(self, engine: LLMEngine | None = None, prefill: PrefillWorker | None = None, *,
+    def __init__(self, engine: LLMEngine | None = None, prefill: LLMEngine | None = None, *,
                  max_waiting: int = 4096, on_emit: Callable[[], None] | None = None):
         if engine is None and prefill is None:
             raise ValueError("AsyncEngine needs an engine, a prefill worker, or both")
-        if prefill is not None and engine is not None and not isinstance(engine, DecodeWorker):
-            raise ValueError("PD in one process needs a DecodeWorker beside the PrefillWorker")
+        if prefill is not None and engine is not None and not isinstance(engine.role, DecodeRole):
+            raise ValueError("PD in one process needs a decode engine beside the prefill engine")
         self.engine, self.prefill, self.max_waiting = engine, prefill, max_waiting
         self.on_emit = on_emit  # called on the engine thread after each step's deltas went out
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -236,9 +236,9 @@ class AsyncEngine:
         _, handle, s, ids, params, handoff = cmd
         self._streams[handle] = s
         if handoff is not None:  # a decode role: the prompt's state arrives prefilled
-            s.engine, s.rid = self.engine, self.engine.submit(handoff)
-        elif self.prefill is not None and len(ids) > 1 and self.prefill.validate(ids, params) is None:
-            s.engine, s.rid = self.prefill, self.prefill.submit(ids, params)
+            s.engine, s.rid = self.engine, self.engine.role.submit(handoff)
+        elif self.prefill is not None and needs_prefill(ids, self.prefill.validate(ids, params)):
+            s.engine, s.rid = self.prefill, self.prefill.role.submit(ids, params)
         elif self.engine is not None:  # also a 1-token or bad prompt under PD: nothing to prefill / fail there
             s.engine, s.rid = self.engine, self.engine.add_request(ids, params)
         else:  # a prefill role takes prompts it can prefill only (its route checks); anything else fails here
@@ -258,7 +258,7 @@ class AsyncEngine:
             step_pair(self.prefill, self.engine, self._route)
         elif self.prefill is not None:  # a prefill role (an idle engine's step schedules nothing)
             self.prefill.step()
-            self._route(self.prefill.pop_handoffs())
+            self._route(self.prefill.role.pop_handoffs())
         elif self.engine.has_unfinished:
             self.engine.step()
 
@@ -269,7 +269,7 @@ class AsyncEngine:
             handle, s = by_rid[handoff.request_id]
             self.prefill.forget(s.rid)
             if self.engine is not None:  # PD in one process: the decode worker takes it on
-                s.engine, s.rid = self.engine, self.engine.submit(handoff)
+                s.engine, s.rid = self.engine, self.engine.role.submit(handoff)
             else:  # a prefill role: gathered here, on the engine thread, for the route to send as bytes
                 del self._streams[handle]
                 self._finished("handoff")
@@ -332,7 +332,7 @@ class AsyncEngine:
         for e in self.engines:
             usage.update(e.usage())
         main = self.engine or self.prefill
-        spec = main.spec_counters.metrics()
+        spec = main.update.spec_counters.metrics()
         self.snapshot = {
             **usage, **self.counters,
             "generation_tokens_per_s": sum(n for _, n in self._recent) / window,

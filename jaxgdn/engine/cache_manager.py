@@ -1,24 +1,40 @@
-"""The engine's side of prefix caching around each launch: which snapshots to restore and pages to copy before a
-launch, which snapshots to save after one (prefix_cache.py decides what is cached; state_copies.py's programs move
-the state).
+"""The cache manager: the one owner of what holds requests' state on the device.
+
+It owns the KV pages (with the prefix cache's content index, prefix_cache.py), the GDN request slots, the GDN state
+snapshots, and the programs that copy state between them (state_copies.py). The scheduler allocates pages and slots
+from it; around each launch it names the copies prefix caching needs: snapshots to restore and pages to copy before
+a launch, snapshots to save after one.
 """
 
 from __future__ import annotations
 
+from ..model.config import ModelConfig
+from .config import EngineConfig
+from .placement import Placement
+from .prefix_cache import PrefixCache
 from .request import RowKind
-from .state import EngineState
+from .state import EngineState, FreeList, init_snapshots
 from .state_copies import PageCopy, SnapshotRestore, SnapshotSave, StateCopies
+from .tensor_parallel import conv_channel_order
 
 
-class PrefixCaching:
-    """The engine's side of prefix caching around each launch: `before` restores the snapshots of requests
-    that start on a hit, `after` names the pages each prefill row filled and saves the snapshots due."""
+class CacheManager:
+    """pages: the KV page allocator (page 0 is the null page); slots: the request slot allocator (slot 0 is the null
+    slot); prefix: the prefix cache over them; copies: the state copy programs, which hold the snapshot pools.
+    caching: prefix caching on; lookahead: positions past a window that MTP drafts write (1 with MTP)."""
 
-    def __init__(self, prefix, copies: StateCopies, snapshots: bool):
-        """snapshots: the engine keeps GDN state snapshots (its copies hold their pools)."""
-        self.prefix = prefix
-        self.copies = copies
-        self.snapshots = snapshots
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, num_pages: int, num_snapshots: int, *, caching: bool,
+                 lookahead: int, placement: Placement, buffer_sharding):
+        self.prefix = PrefixCache(num_pages, ecfg.kv_page_size, num_snapshots,
+                                  ecfg.prefix_cache_state_interval if cfg.gdn_layer_ids else 0, enabled=caching,
+                                  lookahead=lookahead)
+        self.pages = self.prefix.pages
+        self.slots = FreeList(ecfg.num_slots, "request slots")
+        pools = placement.make_state(lambda: init_snapshots(cfg, ecfg, num_snapshots)) if num_snapshots else ()
+        tp = ecfg.tensor_parallel_size
+        self.copies = StateCopies(cfg, ecfg.max_pages_per_seq, buffer_sharding, pools,
+                                  conv_channel_order(cfg, tp) if tp > 1 else None)
+        self.snapshots = bool(num_snapshots)  # GDN state snapshots are kept
 
     def before(self, rows) -> list:
         """The state copies to run before the launch of rows: page copies, then snapshot restores."""
