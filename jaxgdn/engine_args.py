@@ -1,103 +1,92 @@
-"""The EngineConfig flags shared by the command lines (generate, serve), and the config they make."""
+"""The engine flags of every command line (generate, serve, eval, bench), made from EngineConfig's fields: a field's
+type gives the flag's form, its docstring the flag's help, its default the flag's default."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import functools
+import inspect
 import os
+import textwrap
+import types
+import typing
 
-from .engine.config import (
-    ASYNC_SCHEDULING_CHOICES,
-    KERNEL_CHOICES,
-    LIBRARY_GEMMS_MIN_TOKENS,
-    EngineConfig,
-    min_tokens_arg,
-)
+from .engine.config import EngineConfig
+
+TRISTATE = {"auto": None, "on": True, "off": False}  # a `bool | None` field's words
+
+
+@functools.cache
+def field_docs(cls=EngineConfig) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal under it), whitespace folded."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+
+
+def _optional(kind, none: str):
+    """argparse type of an `int | None` field: its none word (auto, off) or a value."""
+    def parse(text: str):
+        if text.lower() == none:
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__} or '{none}', got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _tristate(text: str) -> bool | None:
+    if text not in TRISTATE:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(TRISTATE)}, got {text!r}")
+    return TRISTATE[text]
+
+
+def add_engine_flags(ap, names: list[str] | None = None, **defaults) -> None:
+    """Add a flag to ap (a parser or group) for each EngineConfig field in names (None: every field); defaults
+    overrides a flag's default by its field name (e.g. max_num_seqs=16). A `bool` field is --x / --no-x, a
+    `bool | None` one takes auto/on/off, a Literal one its choices, an `int | None` one a number or its none word."""
+    hints, docs = typing.get_type_hints(EngineConfig), field_docs()
+    for f in dataclasses.fields(EngineConfig):
+        if names is not None and f.name not in names:
+            continue
+        default = defaults.get(f.name, f.default)
+        kind, flags = hints[f.name], ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        args = typing.get_args(kind)
+        optional = typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else kind
+        none = f.metadata.get("none", "auto")
+        shown = none if default is None else ("on" if default else "off") if isinstance(default, bool) else default
+        help = docs[f.name].replace("%", "%%") + f" (default: {shown})"
+        if base is bool and not optional:
+            ap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help)
+        elif base is bool:
+            ap.add_argument(*flags, type=_tristate, choices=list(TRISTATE.values()), default=default, help=help,
+                            metavar="{" + ",".join(TRISTATE) + "}")
+        elif typing.get_origin(base) is typing.Literal:
+            ap.add_argument(*flags, choices=typing.get_args(base), default=default, help=help)
+        else:
+            ap.add_argument(*flags, type=_optional(base, none) if optional else base, default=default, help=help,
+                            metavar=f"N|{none}" if optional else "N" if base is int else None)
 
 
 def add_engine_args(ap: argparse.ArgumentParser, **defaults) -> argparse._ArgumentGroup:
-    """Add the engine flags to ap; defaults overrides a flag's default by its dest (e.g. max_num_seqs=16)."""
-    d = {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 2048, "dtype": "bfloat16",
-         "num_speculative_tokens": 0, **defaults}
-    e = ap.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="requests running at once (default %(default)s)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
-                   help="tokens in one step; longer prompts are chunked (default %(default)s)")
-    e.add_argument("--max-model-len", type=int, default=d["max_model_len"],
-                   help="longest prompt + output (default %(default)s)")
-    e.add_argument("--kv-page-size", type=int, default=16)
-    e.add_argument("--num-kv-pages", type=int, default=None,
-                   help="KV pages (default: planned from --gpu-memory-utilization on a GPU, else every slot at "
-                        "max_model_len)")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the device's memory the engine may use (default %(default)s)")
-    e.add_argument("--enforce-eager", action="store_true", help="exact shapes, no bucket padding")
-    e.add_argument("--precompile", choices=["on", "off"], default=d.get("precompile"),
-                   help="compile every step program before serving (default on)")
-    e.add_argument("--dtype", choices=["bfloat16", "float32"], default=d["dtype"], help="(default %(default)s)")
-    e.add_argument("--gdn-impl", choices=KERNEL_CHOICES, default="auto",
-                   help="GDN kernels: auto (Pallas on a GPU, XLA elsewhere), xla, pallas")
-    e.add_argument("--attention-impl", choices=KERNEL_CHOICES, default="auto",
-                   help="attention kernels: auto (Pallas on a GPU, XLA elsewhere), xla, pallas")
-    e.add_argument("--input-impl", choices=["xla", "pallas", "triton"], default="xla",
-                   help="input-assembly kernel (triton needs a GPU with jax-triton)")
-    e.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
-                   help="MTP drafts per step, 0..3 (default %(default)s)")
-    e.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
-                   help="launch each step before the previous step's tokens are back (host work overlaps the "
-                        "device; same outputs; with MTP drafts the next verify step starts where the device's count "
-                        "of accepted drafts says). auto (default): on unless --pd; on: refused with --pd")
-    e.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
-                   help="run N model steps per device launch when every request is decoding: decode steps "
-                        "(async scheduling) or MTP verify steps (not --pd); same outputs, the host's per-step "
-                        "cost is paid once per launch. Default: 4 on a GPU, 1 elsewhere")
-    e.add_argument("--no-fold-norms", action="store_true",
-                   help="serve the loaded weights' values exactly: keep each layer's RMSNorm weight apart instead "
-                        "of folding it into the projections that read it (the default; same math, rounding at "
-                        "the weight dtype's precision; one kernel fewer per norm in a single-token step)")
-    e.add_argument("--no-fused-decode-kernels", action="store_true",
-                   help="run decode and verify rows on the layers' kernel chains instead of the one-kernel GDN "
-                        "mixer and decode attention (same math; e.g. to rule those kernels out when chasing a "
-                        "problem). They run on a GPU, or off it with the Pallas paths asked for")
-    e.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
-                   metavar="N|off",
-                   help="steps of at least N tokens (prompts) compile their matrix products for cuBLAS instead of "
-                        "XLA's Triton GEMMs, which lets XLA add the residual stream inside the products; GPU "
-                        f"only (default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model's heads, MLP and vocabulary over N devices (a mesh axis; with --pd, N for "
-                        "each worker); N must divide the head counts (default 1)")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV pages and GDN state of prompt prefixes computed before (exact: same outputs; "
-                        "default on)")
-    e.add_argument("--prefix-cache-state-interval", type=int, default=256, metavar="TOKENS",
-                   help="GDN state snapshots where a prompt reaches a multiple of this many tokens inside a prefix "
-                        "another request computed (every 4th multiple elsewhere) and where requests end; a hit resumes "
-                        "at the last one inside the shared prefix (a multiple of --kv-page-size; default %(default)s)")
-    e.add_argument("--num-state-snapshots", type=int, default=None,
-                   help="GDN state snapshots the prefix cache keeps (default: a tenth of the KV pages' memory on a "
-                        "GPU, two per request slot elsewhere)")
-    e.add_argument("--pd", action="store_true", help="prefill/decode disaggregation with explicit state handoff")
-    e.add_argument("--reproduce-pd-mtp-bug", action="store_true",
-                   help="restore vLLM's pre-#47466 behaviour (wrong outputs under PD + MTP, concurrency > 1)")
-    return e
+    """Add every engine flag to ap, in a group "engine" (returned); defaults: see add_engine_flags."""
+    group = ap.add_argument_group("engine", "EngineConfig's fields")
+    add_engine_flags(group, **defaults)
+    return group
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The EngineConfig of the parsed engine flags (ValueError names a bad one)."""
-    fields = {
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "kv_page_size": args.kv_page_size, "num_kv_pages": args.num_kv_pages,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager, "dtype": args.dtype,
-        "input_impl": args.input_impl, "gdn_impl": args.gdn_impl, "attention_impl": args.attention_impl,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "pd": args.pd, "reproduce_pd_mtp_bug": args.reproduce_pd_mtp_bug,
-        "async_scheduling": ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
-        "decode_steps_per_launch": args.decode_steps_per_launch, "fold_norms": not args.no_fold_norms,
-        "fused_decode_kernels": not args.no_fused_decode_kernels, "library_gemms_min_tokens": args.library_gemms_min_tokens,
-        "precompile": args.precompile != "off", "tensor_parallel_size": args.tensor_parallel_size,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "prefix_cache_state_interval": args.prefix_cache_state_interval, "num_state_snapshots": args.num_state_snapshots,
-    }
+    """The EngineConfig of the parsed engine flags (those args has; a None for a field that cannot be None keeps
+    the field's default); ValueError names a bad one."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    fields = {k: v for k, v in fields.items() if v is not None or type(None) in typing.get_args(hints[k])}
     config = EngineConfig(**{**fields, **overrides})
     use_memory_fraction(config.gpu_memory_utilization)
     return config

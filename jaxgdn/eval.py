@@ -198,6 +198,8 @@ def write_results(args, model: str, num_problems: int, results: list[ConfigResul
 
 
 def parse_args(argv=None):
+    from .engine_args import add_engine_flags
+
     ap = argparse.ArgumentParser(prog="python -m jaxgdn.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: the checkpoint shipped in checkpoints/)")
@@ -212,16 +214,12 @@ def parse_args(argv=None):
                          "bug: the baseline and the bug rows)")
     ap.add_argument("--num-speculative-tokens", type=int, default=1, help="K of the MTP rows in the sweep (default 1)")
     ap.add_argument("--wide-concurrency", type=int, default=64, help="the sweep's high concurrency (default 64)")
-    ap.add_argument("--pd", action="store_true", help="single run: PD disaggregation")
     ap.add_argument("--mtp", type=int, default=0, metavar="K", help="single run: K MTP drafts (default 0)")
     ap.add_argument("--concurrency", type=int, default=64, help="single run: requests in flight (default 64)")
-    ap.add_argument("--reproduce-pd-mtp-bug", action="store_true", help="single run: vLLM's pre-#47466 behaviour")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                    help="split each engine over N devices (EngineConfig.tensor_parallel_size; default 1)")
+    e = ap.add_argument_group("engine", "EngineConfig's fields (pd and reproduce_pd_mtp_bug: the single run's)")
+    add_engine_flags(e, ["max_model_len", "max_num_batched_tokens", "dtype", "tensor_parallel_size", "pd",
+                         "reproduce_pd_mtp_bug"], max_model_len=1024, max_num_batched_tokens=1024)
     ap.add_argument("--out", help="JSON path for the results (default with --configs: bench/results/eval_<backend>_<date>.json)")
     ap.add_argument("--multiple-choice", action="store_true",
                     help="the task's multiple-choice form scored by loglikelihood (lm-eval's jaxgdn_arith_mc) instead; "

@@ -41,7 +41,7 @@ def parse_args(argv=None):
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
-    e = add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, dtype="float32",
+    e = add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, dtype="float32", precompile=None,
                         num_speculative_tokens=None)
     ap.add_argument("--demo-problems", type=int, default=4,
                     help="test problems the no-argument demo runs (default 4)")
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         args.max_tokens = max(args.max_tokens, 256)
         if args.num_speculative_tokens is None:
             args.num_speculative_tokens = 1
-        args.precompile = args.precompile or "off"
+        args.precompile = bool(args.precompile)  # off unless asked for: the demo's few prompts compile what they use
         print(f"jaxgdn demo: {model.name} on {len(demo)} test problems, PD + MTP K={args.num_speculative_tokens}")
     args.num_speculative_tokens = args.num_speculative_tokens or 0
     if model is None:

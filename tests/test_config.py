@@ -6,6 +6,7 @@ import math
 import pytest
 from helpers import small_config
 
+from jaxgdn.engine.config import EngineConfig
 from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig, qwen35_0_8b
 from jaxgdn.model.params import expected_tensor_shapes
 
@@ -84,3 +85,32 @@ def test_qwen35_08b_preset_matches_published_numbers():
     assert len(text) == 320 and len(full) - len(text) == 15
     assert sum(math.prod(s) for s in text.values()) == 752_393_024
     assert sum(math.prod(s) for n, s in full.items() if n.startswith("mtp.")) == 20_452_864
+
+
+def test_every_engine_flag_comes_from_an_engine_config_field():
+    """generate and serve: one flag per EngineConfig field, its help the field's docstring; flags parse into the
+    config's values (the none words, the on/off/auto words, --no-x)."""
+    import argparse
+    import dataclasses
+
+    from jaxgdn.engine_args import add_engine_args, engine_config, field_docs
+    from jaxgdn.generate import parse_args
+    from jaxgdn.serve.__main__ import parse_args as serve_args
+
+    fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    docs = field_docs()
+    assert sorted(docs) == sorted(fields) and all(len(d) > 20 for d in docs.values())
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    text = " ".join(ap.format_help().split())
+    for name in fields:
+        assert "--" + name.replace("_", "-") in text and docs[name][:40] in text, name
+    for parse in (parse_args, serve_args):
+        args = parse(["--model", "x", "--max-num-seqs", "3", "--async-scheduling", "off", "--no-fold-norms",
+                      "--library-gemms-min-tokens", "off", "-tp", "1", "--num-kv-pages", "77", "--no-precompile"])
+        config = engine_config(args)
+        assert (config.max_num_seqs, config.async_scheduling, config.fold_norms, config.library_gemms_min_tokens,
+                config.num_kv_pages, config.precompile) == (3, False, False, None, 77, False)
+    assert engine_config(serve_args(["--model", "x"])) == EngineConfig()
+    with pytest.raises(SystemExit):
+        serve_args(["--model", "x", "--async-scheduling", "maybe"])

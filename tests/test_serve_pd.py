@@ -22,7 +22,7 @@ EVAL_ARGS = jeval.parse_args(["--limit", str(NUM_PROBLEMS), "--dtype", "float32"
 PROBLEMS = task.take("test", NUM_PROBLEMS)
 # the flags of eval's configuration at concurrency 16 (test_task_eval's too), with MTP K=1, for both PD processes
 SERVE_ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "512",
-              "--num-kv-pages", str(1 + 16 * 32), "--dtype", "float32", "--precompile", "off",
+              "--num-kv-pages", str(1 + 16 * 32), "--dtype", "float32", "--no-precompile",
               "--num-speculative-tokens", "1", "--served-model-name", MODEL]
 
 
@@ -77,7 +77,7 @@ def test_two_precompiled_pd_processes_compile_nothing_after_start_up(baseline):
 
     # every program compiled at start-up; smaller steps and fewer slots than the other servers' (fewer programs),
     # which greedy decoding does not see
-    args = [a for a in SERVE_ARGS if a not in ("--precompile", "off")]
+    args = [a for a in SERVE_ARGS if a != "--no-precompile"]
     args[args.index("--max-num-batched-tokens") + 1], args[args.index("--max-num-seqs") + 1] = "64", "8"
     prefill_port = free_port()
     prefill_url = f"http://127.0.0.1:{prefill_port}"

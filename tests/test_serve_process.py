@@ -30,7 +30,7 @@ MODEL = "qwen35-tiny-arith"
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, dtype="float32",
                       precompile=False)
 ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "512", "--dtype", "float32",
-        "--precompile", "off", "--served-model-name", MODEL]
+        "--no-precompile", "--served-model-name", MODEL]
 PROBLEMS = task.take("test", 40)
 
 

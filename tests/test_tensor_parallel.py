@@ -97,7 +97,7 @@ def test_multi_host_generate(tmp_path):
     save_checkpoint(tmp_path / "ck", cfg.replace(eos_token_ids=()), init_random_params(cfg, seed=3))
     flags = [sys.executable, "-m", "jaxgdn.generate", "--model", str(tmp_path / "ck"), "--prompt-ids", "5,6,7,8",
              "--prompt-ids", ",".join(map(str, range(10, 40))), "--max-tokens", "8", "--num-speculative-tokens", "2",
-             "--max-model-len", "96", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--precompile", "off"]
+             "--max-model-len", "96", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--no-precompile"]
     env = {**os.environ, "JAXGDN_CACHE_DIR": "", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
     def ids(stdout: str) -> list[str]:

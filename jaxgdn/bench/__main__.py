@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS, min_tokens_arg
+from ..engine_args import add_engine_flags
 from ..results import environment, write_result
 from .common import DEFAULT_TRITON_CACHE_DIR
 
@@ -60,39 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
         m = add(name, help)
         m.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
         m.add_argument("--no-peer", action="store_true", help="skip transformers")
-        m.add_argument("--gdn-impl", default="auto", choices=["auto", "xla", "pallas"], help="EngineConfig.gdn_impl")
-        m.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"], help="EngineConfig.attention_impl")
-        m.add_argument("--fold-norms", default="on", choices=["on", "off"],
-                       help="EngineConfig.fold_norms: RMSNorm weights folded into the projections that read them")
+        add_engine_flags(m, ["gdn_impl", "attention_impl", "fold_norms"])
         m.add_argument("--profile", default=None, metavar="DIR",
                        help="also trace steps per shape into DIR (decode: real engine steps and replayed device "
                             "steps; prefill: replayed steps) and put their top kernels and host events in the JSON")
         if name == "decode":
             m.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128])
             m.add_argument("--peer-batch", type=int, nargs="+", default=[1, 32], help="batches timed on transformers")
-            m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
             m.add_argument("--prompt-len", type=int, default=64)
             m.add_argument("--steps", type=int, default=32, help="decode steps per request after the warm-up (the timed calls), "
                                                                     "rounded up to whole launches")
             m.add_argument("--peer-steps", type=int, default=16)
             m.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
-            m.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
-                           help="EngineConfig.async_scheduling: launch step n+1 before step n's tokens are back "
-                                "(auto, the engine's default: on unless PD)")
-            m.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
-                           help="EngineConfig.decode_steps_per_launch (default: the engine's, 4 on a GPU, 1 "
-                                "elsewhere); ms/step divides the timed calls by the tokens per row they produced")
-            m.add_argument("--fused-decode-kernels", default="on", choices=["on", "off"],
-                           help="EngineConfig.fused_decode_kernels: the one-kernel GDN mixer and decode attention "
-                                "for decode rows (off: the kernel chains they replace)")
+            # ms/step divides the timed calls by the tokens per row they produced
+            add_engine_flags(m, ["tensor_parallel_size", "async_scheduling", "decode_steps_per_launch",
+                                 "fused_decode_kernels"])
         else:
             m.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 2048), (1, 8192), (8, 1024)])
             m.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe")
-            m.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
-                           metavar="N|off",
-                           help="EngineConfig.library_gemms_min_tokens: steps of at least N tokens compile their "
-                                "matrix products for cuBLAS instead of XLA's Triton GEMMs "
-                                f"(default {LIBRARY_GEMMS_MIN_TOKENS}; off: never)")
+            add_engine_flags(m, ["library_gemms_min_tokens"])
             m.add_argument("--stream-steps", type=int, default=8, metavar="N",
                            help="also time a stream of N steps of each shape back to back with async scheduling "
                                 "(a prefill worker's throughput; 0: skip)")
@@ -106,12 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt-len", type=int, default=64)
     sp.add_argument("--steps", type=int, default=16)
     sp.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
-    sp.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N",
-                    help="EngineConfig.decode_steps_per_launch of the modeled rows: decode steps (K=0) or verify "
-                         "steps (K>0) per launch (default: the engine's, 4 on a GPU, 1 elsewhere)")
-    sp.add_argument("--async-scheduling", choices=list(ASYNC_SCHEDULING_CHOICES), default="auto",
-                    help="EngineConfig.async_scheduling of every row (auto, the engine's default: on; "
-                         "off: synchronous)")
+    add_engine_flags(sp, ["decode_steps_per_launch", "async_scheduling"])  # of the modeled rows; every row's
     pd = add("pd", "PD handoff size and cost per request")
     pd.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights) or checkpoint directory")
     pd.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
@@ -128,8 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-turns", type=int, default=6, help="--dataset multiturn: turns per conversation")
     sv.add_argument("--compare-prefix-caching", action="store_true",
                     help="also serve the warm run with prefix caching off (always for prefix and multiturn)")
-    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                    help="EngineConfig.enable_prefix_caching (default on)")
     sv.add_argument("--num-prompts", type=int, default=1000)
     sv.add_argument("--input-len", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
     sv.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
@@ -148,17 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "an in-process engine; --model names the checkpoint it serves (its vocabulary, tokenizer)")
     sv.add_argument("--http-repeat", type=int, choices=[0, 1], default=1,
                     help="with --http: send the workload a second time (default 1: first and second run)")
-    sv.add_argument("--max-num-seqs", type=int, default=256)
-    sv.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    sv.add_argument("--max-model-len", type=int, default=2048)
-    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    sv.add_argument("--num-speculative-tokens", type=int, default=0)
-    sv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    sv.add_argument("--decode-steps-per-launch", type=int, default=None, metavar="N")
-    sv.add_argument("--library-gemms-min-tokens", type=min_tokens_arg, default=LIBRARY_GEMMS_MIN_TOKENS,
-                    metavar="N|off", help="EngineConfig.library_gemms_min_tokens (0: cuBLAS for every step program)")
-    sv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="EngineConfig.tensor_parallel_size")
-    sv.add_argument("--pd", action="store_true", help="PD disaggregation: a prefill and a decode worker on one device")
+    add_engine_flags(sv, ["enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
+                          "num_speculative_tokens", "gpu_memory_utilization", "decode_steps_per_launch",
+                          "library_gemms_min_tokens", "tensor_parallel_size", "pd"])
     sv.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul-rate probe (the bound)")
     sv.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="array size of the bandwidth probe")
     sv.add_argument("--no-peer", action="store_true", help="skip transformers")

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 
-from ..engine.config import ASYNC_SCHEDULING_CHOICES
 from .steps import engine_decode_ms, load_model, make_engine
 
 
@@ -106,7 +105,7 @@ def bench_spec(args) -> dict:
     out = {"benchmark": "spec", "shipped_model": args.shipped_model, "rows_shipped": [], "rows_modeled": [],
            "modeled_acceptance": list(args.acceptance),
            "note": "rows_modeled combine measured step times with modeled per-draft acceptance p"}
-    async_scheduling = ASYNC_SCHEDULING_CHOICES[args.async_scheduling]
+    async_scheduling = args.async_scheduling
     out["rows_shipped"] = shipped_model_spec(args.shipped_model, args.k, args.num_prompts, args.max_tokens,
                                              async_scheduling)
     args.save_partial(out)

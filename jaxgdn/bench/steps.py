@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..engine.config import ASYNC_SCHEDULING_CHOICES, LIBRARY_GEMMS_MIN_TOKENS
+from ..engine.config import LIBRARY_GEMMS_MIN_TOKENS
 from .common import measured_bandwidth_gbs, measured_matmul_tflops
 from .transformers_peer import hf_decode_ms, hf_prefill_ms, peer_model_or_none, record_peer
 
@@ -322,10 +322,9 @@ def bench_decode(args) -> dict:
         profile = os.path.join(args.profile, f"batch{batch}") if args.profile else None
         r = engine_decode_ms(params, cfg, batch, args.prompt_len, args.steps, gdn_impl=args.gdn_impl,
                              profile_dir=profile, attention_impl=args.attention_impl,
-                             async_scheduling=ASYNC_SCHEDULING_CHOICES[args.async_scheduling],
+                             async_scheduling=args.async_scheduling,
                              decode_steps_per_launch=args.decode_steps_per_launch,
-                             fold_norms=args.fold_norms == "on",
-                             fused_decode_kernels=args.fused_decode_kernels == "on",
+                             fold_norms=args.fold_norms, fused_decode_kernels=args.fused_decode_kernels,
                              tensor_parallel_size=args.tensor_parallel_size)
         context = args.prompt_len + args.steps
         nbytes = decode_bytes(cfg, sizes, batch, context) / args.tensor_parallel_size  # what each device reads
@@ -371,7 +370,7 @@ def bench_prefill(args) -> dict:
         profile = os.path.join(args.profile, f"{batch}x{length}") if args.profile else None
         ms, split, kernels = engine_prefill_ms(params, cfg, batch, length, gdn_impl=args.gdn_impl,
                                                attention_impl=args.attention_impl, profile_dir=profile,
-                                               fold_norms=args.fold_norms == "on",
+                                               fold_norms=args.fold_norms,
                                                library_gemms_min_tokens=args.library_gemms_min_tokens)
         flops = prefill_flops(cfg, sizes, batch, length)
         row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / ms * 1e3,
@@ -381,7 +380,7 @@ def bench_prefill(args) -> dict:
         row["over_floor"] = ms / row["flop_floor_ms"]
         if args.stream_steps:
             stream = engine_prefill_stream_ms(params, cfg, batch, length, args.stream_steps, gdn_impl=args.gdn_impl,
-                                              attention_impl=args.attention_impl, fold_norms=args.fold_norms == "on",
+                                              attention_impl=args.attention_impl, fold_norms=args.fold_norms,
                                               library_gemms_min_tokens=args.library_gemms_min_tokens)
             row.update(stream_steps=args.stream_steps, stream_ms_per_step=stream,
                        stream_tokens_per_s=batch * length / stream * 1e3,

@@ -2,121 +2,103 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
+from typing import Literal
 
 import jax.numpy as jnp
 
 from ..model.policy import KernelPolicy
 
-# --async-scheduling on the command lines: its choices and the EngineConfig value each means
-ASYNC_SCHEDULING_CHOICES = {"auto": None, "on": True, "off": False}
 KERNEL_CHOICES = ("auto", "xla", "pallas")  # gdn_impl and attention_impl
 INPUT_IMPLS = ("xla", "pallas", "triton")  # input_impl
 LIBRARY_GEMMS_MIN_TOKENS = KernelPolicy().library_gemms_min_tokens
 
 
-def min_tokens_arg(text: str) -> int | None:
-    """--library-gemms-min-tokens on the command lines: 'off' -> None, else a token count >= 0."""
-    if text.lower() == "off":
-        return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'off', got {text!r}")
-    return int(text)
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the engine batches, caches and compiles.
-
-    max_num_seqs: running requests at once (= persistent request slots; slot 0 is the null slot).
-    max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts); the largest
-      step program's tokens.
-    max_model_len: longest sequence (prompt + output) a request may reach.
-    kv_page_size / num_kv_pages: the paged KV pool; num_kv_pages None = planned from gpu_memory_utilization
-      where the device reports its memory (`memory.plan_memory`), else enough for every slot at max_model_len.
-    gpu_memory_utilization: the fraction of the device's memory the engine may use (vLLM's knob): the weights,
-      the GDN slots, the largest step program's temporaries, and the KV pages, which get what remains.
-    enforce_eager: run exact shapes (no bucket padding); each new shape compiles once.
-    dtype: weight and activation dtype ("bfloat16" or "float32"); the GDN recurrent state is fp32.
-    input_impl: the input-assembly kernel (`pallas_kernels/input_assembly.py`): "xla", "pallas" (Triton
-      through Pallas; interpret mode off the GPU) or "triton" (jax-triton).
-    gdn_impl / attention_impl: the layers' kernels (`KernelPolicy`): "auto" (the Pallas kernels on a GPU, the
-      XLA forms elsewhere), "xla" (the XLA forms everywhere) or "pallas" (the kernels also off the GPU, in
-      interpret mode: for tests).
-    num_speculative_tokens: K MTP drafts verified per step (0 = no speculative decoding).
-    pd: run prefill and decode in separate workers with explicit state handoff (PD disaggregation).
-    pad_prompt_tail: pad a 1-token prompt tail to 1+K placeholder drafts when other requests are
-      running and no prefill is scheduled (vLLM #45237), keeping steps uniform.
-    reproduce_pd_mtp_bug: restore vLLM's pre-#47466 behaviour (unguarded last_sampled overwrite and the
-      old spec-row rule num_computed >= num_prompt). For demonstrations and tests only.
-    prefill_device / decode_device: JAX device indices of the PD workers (None: the default device).
-    precompile: `LLM(...)` compiles every step program of the engine (`programs.ProgramSet`) before it serves,
-      so traffic never waits on the compiler; False compiles each program when a step first needs it.
-    compilation_cache: keep compiled step programs on disk across runs (JAX's persistent compilation
-      cache) in $JAXGDN_CACHE_DIR, default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling.
-    async_scheduling: schedule and launch step n+1 before step n's tokens are back, so host work overlaps
-      the device (vLLM's async scheduling); same outputs. With MTP drafts a verify launch is booked as if
-      every draft were accepted and the next launch starts where the device's count says
-      (EngineState.num_computed). Not with PD. None (default): on wherever it can be (not PD).
-    fold_norms: serve with each decoder layer's RMSNorm weights folded into the projections that read them
-      (`params.fold_norms`), so a decode step's norms cost one kernel each instead of two. Same math; the
-      rounding differs at the weight dtype's precision. False serves the loaded weights' values exactly.
-    fused_decode_kernels: launches of several decode or verify steps run the layers' one-kernel forms between
-      their two products where the kernels run (the GDN mixer, the decode attention); False runs the chains
-      they replace, e.g. to rule them out when chasing a problem.
-    decode_steps_per_launch: run this many model steps in one launch of the device program when no
-      waiting request could start and either every row is a plain decode with room for them (with async
-      scheduling; vLLM's former multi-step scheduling) or, with MTP (num_speculative_tokens > 0, not PD),
-      every row is a verify window with room for that many windows (the device moves each row on by the
-      drafts it accepted). Same outputs; the host's per-step work is paid once per launch. A request that
-      stops early discards the rest of its launch's tokens; a waiting request that arrives meanwhile
-      starts after the launch. None (default): 4 on a GPU, 1 elsewhere.
-    library_gemms_min_tokens: step programs of at least this many tokens compile their matrix products for
-      cuBLAS(Lt) instead of XLA's Triton GEMMs, so XLA folds the residual adds into the products' epilogues;
-      None turns it off. No effect off the GPU.
-    enable_prefix_caching: reuse the KV pages and GDN state of prefixes computed before (docs/prefix-caching.md):
-      pages are shared by content, the GDN state is resumed from snapshots. A PD prefill worker caches; its
-      decode worker imports every request's state and does not. Same outputs as without it.
-    prefix_cache_state_interval: GDN state snapshots are taken where a prompt's chunk ends at a multiple of
-      this many tokens inside a prefix another request computed already, and at every 4th multiple elsewhere
-      (the scheduler cuts chunks there), besides where requests end; a multiple of kv_page_size. Smaller
-      resumes closer to where prompts part, at the cost of more chunks and snapshots.
-    num_state_snapshots: snapshots the pool holds (None: planned by `memory.plan_memory`).
-    tensor_parallel_size: devices each engine (each PD worker) splits the model's heads, MLP and vocabulary
-      over (`tensor_parallel.py`); they must divide the model's head counts. A PD worker's devices are the
-      tensor_parallel_size consecutive ones from prefill_device / decode_device (default 0).
-    """
+    """How the engine batches, caches and compiles. Each field's docstring is its help on the command lines
+    (engine_args.py builds their flags from these fields)."""
 
     max_num_seqs: int = 256
+    """Requests running at once (= persistent request slots; slot 0 is the null slot)."""
     max_num_batched_tokens: int = 4096
+    """Token budget of one step (chunked prefill splits longer prompts); the largest step program's tokens."""
     max_model_len: int = 2048
+    """Longest sequence (prompt + output) a request may reach."""
     kv_page_size: int = 16
+    """Tokens per page of the paged KV pool."""
     num_kv_pages: int | None = None
+    """KV pages (auto: planned from gpu_memory_utilization where the device reports its memory, else enough for
+    every slot at max_model_len)."""
     gpu_memory_utilization: float = 0.9
+    """The fraction of the device's memory the engine may use (vLLM's knob): the weights, the GDN slots, the
+    largest step program's temporaries, and the KV pages, which get what remains."""
     enforce_eager: bool = False
-    dtype: str = "bfloat16"
-    input_impl: str = "xla"
-    gdn_impl: str = "auto"
-    attention_impl: str = "auto"
+    """Run exact shapes (no bucket padding); each new shape compiles once."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weight and activation dtype; the GDN recurrent state is fp32."""
+    input_impl: Literal["xla", "pallas", "triton"] = "xla"
+    """The input-assembly kernel (pallas_kernels/input_assembly.py): xla, pallas (Triton through Pallas; interpret
+    mode off the GPU) or triton (jax-triton, on a GPU)."""
+    gdn_impl: Literal["auto", "xla", "pallas"] = "auto"
+    """The GDN layers' kernels: auto (the Pallas kernels on a GPU, the XLA forms elsewhere), xla, or pallas (also
+    off the GPU, in interpret mode: for tests)."""
+    attention_impl: Literal["auto", "xla", "pallas"] = "auto"
+    """The attention layers' kernels: auto, xla or pallas, as gdn_impl."""
     num_speculative_tokens: int = 0
+    """K: MTP drafts verified per step, 0..3 (0: no speculative decoding)."""
     pd: bool = False
+    """Run prefill and decode in separate workers with explicit state handoff (PD disaggregation)."""
     pad_prompt_tail: bool = True
+    """Pad a 1-token prompt tail to 1+K placeholder drafts when other requests are running and no prefill is
+    scheduled (vLLM #45237), keeping steps uniform."""
     reproduce_pd_mtp_bug: bool = False
+    """Restore vLLM's pre-#47466 behaviour (unguarded last_sampled overwrite and the old spec-row rule
+    num_computed >= num_prompt): wrong outputs under PD + MTP at concurrency > 1. For demonstrations and tests."""
     prefill_device: int | None = None
+    """JAX device index of the PD prefill worker (auto: the default device)."""
     decode_device: int | None = None
+    """JAX device index of the PD decode worker (auto: the default device)."""
     precompile: bool = True
+    """LLM(...) compiles every step program of the engine before it serves, so traffic never waits on the
+    compiler; off compiles each program when a step first needs it."""
     compilation_cache: bool = True
+    """Keep compiled step programs on disk across runs (JAX's persistent compilation cache) in $JAXGDN_CACHE_DIR,
+    default ~/.cache/jaxgdn/jax; a second start-up reloads instead of compiling."""
     async_scheduling: bool | None = None
+    """Schedule and launch step n+1 before step n's tokens are back, so host work overlaps the device (vLLM's async
+    scheduling); same outputs. With MTP drafts a verify launch is booked as if every draft were accepted and the
+    next launch starts where the device's count says. auto: on wherever it can be (not with pd)."""
     decode_steps_per_launch: int | None = None
+    """Run this many model steps in one launch of the device program when no waiting request could start and either
+    every row is a plain decode (with async scheduling) or, with MTP and not pd, every row is a verify window;
+    same outputs, the host's per-step work is paid once per launch. auto: 4 on a GPU, 1 elsewhere."""
     fold_norms: bool = True
+    """Serve with each decoder layer's RMSNorm weights folded into the projections that read them, so a decode
+    step's norms cost one kernel each instead of two. Same math; the rounding differs at the weight dtype's
+    precision. Off serves the loaded weights' values exactly."""
     fused_decode_kernels: bool = True
-    library_gemms_min_tokens: int | None = LIBRARY_GEMMS_MIN_TOKENS
-    tensor_parallel_size: int = 1
+    """Launches of several decode or verify steps run the layers' one-kernel forms (the GDN mixer, the decode
+    attention) where the kernels run; off runs the chains they replace, e.g. to rule them out when chasing a
+    problem."""
+    library_gemms_min_tokens: int | None = dataclasses.field(default=LIBRARY_GEMMS_MIN_TOKENS,
+                                                             metadata={"none": "off"})
+    """Step programs of at least this many tokens compile their matrix products for cuBLAS(Lt) instead of XLA's
+    Triton GEMMs, so XLA folds the residual adds into the products' epilogues; off: never. GPU only."""
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata={"aliases": ("-tp",)})
+    """Devices each engine (each PD worker) splits the model's heads, MLP and vocabulary over; it must divide the
+    model's head counts. A PD worker's devices are the consecutive ones from prefill_device / decode_device."""
     enable_prefix_caching: bool = True
+    """Reuse the KV pages and GDN state of prefixes computed before (docs/prefix-caching.md); same outputs. A PD
+    prefill worker caches; its decode worker imports every request's state and does not."""
     prefix_cache_state_interval: int = 256
+    """GDN state snapshots are taken where a prompt's chunk ends at a multiple of this many tokens inside a prefix
+    another request computed already, and at every 4th multiple elsewhere, besides where requests end; a multiple
+    of kv_page_size. Smaller resumes closer to where prompts part, at the cost of more chunks and snapshots."""
     num_state_snapshots: int | None = None
+    """GDN state snapshots the prefix cache keeps (auto: planned by the memory plan: a tenth of the KV pages' memory
+    on a GPU, two per request slot elsewhere)."""
 
     def __post_init__(self):
         checks = [

@@ -49,7 +49,7 @@ def parse_args(argv=None):
 
 
 def build_state(args):
-    """The engine(s) the role needs (every step program compiled unless --precompile off), started behind an
+    """The engine(s) the role needs (every step program compiled unless --no-precompile), started behind an
     AsyncEngine, and the app's ServerState. Role "both" runs its engine in a process of its own
     (`engine_process`), so HTTP work never competes with it for the GIL; a PD role steps its worker in a
     thread of the server."""
