@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from jaxgdn.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, qwen35_0_8b
 from jaxgdn.model.params import ModelParams, params_to_tensors
 
 L, F = LINEAR_ATTENTION, FULL_ATTENTION
@@ -46,27 +46,26 @@ def small_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def random_prompt(seed: int, length: int, vocab_size: int, low: int = 0) -> list[int]:
+    """length token ids in [low, vocab_size), drawn by a generator seeded with seed."""
+    return [int(t) for t in np.random.default_rng(seed).integers(low, vocab_size, length)]
+
+
+def small_engine(params, cfg: ModelConfig, garbage_seed: int | None = None, **config):
+    """An LLMEngine of a small fp32 configuration (4 slots, 32-token steps, 128 positions, 8-token pages); config
+    overrides EngineConfig's fields."""
+    from jaxgdn.engine.config import EngineConfig
+    from jaxgdn.engine.llm_engine import LLMEngine
+
+    base = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8, dtype="float32")
+    return LLMEngine(params, cfg, EngineConfig(**{**base, **config}), garbage_seed=garbage_seed)
+
+
 def real_width_config(**overrides) -> ModelConfig:
-    """Qwen3.5-0.8B widths with 4 layers (L,L,L,F) and a cut vocabulary."""
-    base = dict(
-        vocab_size=512,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        layer_types=(L, L, L, F),
-        tie_word_embeddings=True,
-        mtp_num_hidden_layers=1,
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
+    """The Qwen3.5-0.8B preset (its widths) cut to 4 layers (L,L,L,F) and a 512-token vocabulary."""
+    cut = dict(vocab_size=512, num_hidden_layers=4, layer_types=(L, L, L, F), eos_token_ids=(), pad_token_id=None,
+               model_type=ModelConfig.model_type)
+    return qwen35_0_8b().replace(**{**cut, **overrides})
 
 
 def hf_text_config(cfg: ModelConfig):

@@ -1,9 +1,8 @@
 """Async scheduling: step n+1 is scheduled and launched before step n's tokens are back. Outputs, finish
 reasons, fed tokens and the pools must be exactly those of the synchronous engine."""
 
-import numpy as np
 import pytest
-from helpers import assert_async_equals_sync, naive_greedy, run_recorded, small_config
+from helpers import assert_async_equals_sync, naive_greedy, random_prompt, run_recorded, small_config, small_engine
 
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
@@ -15,12 +14,11 @@ PARAMS = init_random_params(CFG, seed=31)
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(3000 + i).integers(0, CFG.vocab_size, length)]
+    return random_prompt(3000 + i, length, CFG.vocab_size)
 
 
 def engine(async_scheduling: bool | None, **kw) -> LLMEngine:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_page_size=8, dtype="float32")
-    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}, async_scheduling=async_scheduling), garbage_seed=5)
+    return small_engine(PARAMS, CFG, garbage_seed=5, async_scheduling=async_scheduling, **kw)
 
 
 def test_async_equals_sync_with_stops_lengths_and_sampling():

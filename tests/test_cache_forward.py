@@ -17,10 +17,6 @@ PARAMS = init_random_params(CFG, seed=3)
 FWD = jax.jit(forward, static_argnums=1)
 
 
-def full_logits(ids):
-    return np.asarray(FWD(PARAMS, CFG, ids)[0])
-
-
 @pytest.mark.parametrize("prompt_len", [1, 2, 3, 4, 65])
 def test_prefill_then_decode_equals_full_forward(prompt_len):
     """Includes prompts shorter than the conv width - 1 (zero-left-padded window)."""
@@ -33,7 +29,7 @@ def test_prefill_then_decode_equals_full_forward(prompt_len):
         logits, _, cache = FWD(PARAMS, CFG, ids[:, t : t + 1], cache)
         steps.append(np.asarray(logits))
     assert np.asarray(cache.lengths).tolist() == [total, total]
-    diff = np.abs(np.concatenate(steps, 1) - full_logits(ids)).max()
+    diff = np.abs(np.concatenate(steps, 1) - np.asarray(FWD(PARAMS, CFG, ids)[0])).max()
     assert diff <= TOL, diff
 
 
@@ -101,7 +97,7 @@ def test_fused_projections_serve_the_same_logits():
     # This random model is chaotic: scaling one weight matrix by 1 + 1e-7 moves its logits by ~2e-4, so
     # fp32 rounding of a differently shaped product shows up at that size, not at TOL.
     ids = random_ids(CFG, 2, 9, seed=5)
-    diff = np.abs(np.asarray(FWD(fused, CFG, ids)[0]) - full_logits(ids)).max()
+    diff = np.abs(np.asarray(FWD(fused, CFG, ids)[0]) - np.asarray(FWD(PARAMS, CFG, ids)[0])).max()
     assert diff <= 2e-3, diff
 
 
@@ -144,7 +140,7 @@ def test_folded_norms_serve_the_same_logits():
         assert layer.mixer.fused is not None and layer.mlp.fused is not None
     assert fold_norms(folded).layers[0].mlp.fused is folded.layers[0].mlp.fused
     ids = random_ids(CFG, 2, 9, seed=5)
-    ref = full_logits(ids)
+    ref = np.asarray(FWD(PARAMS, CFG, ids)[0])
     logits = {}
     for limit in (0, 18):
         policy = KernelPolicy(post_scale_max_tokens=limit)

@@ -3,7 +3,7 @@ prefill, buckets on/off, garbage-filled slots and preemption; bad input is isola
 
 import numpy as np
 import pytest
-from helpers import naive_greedy, run_staggered, small_config
+from helpers import naive_greedy, random_prompt, run_staggered, small_config, small_engine
 
 from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
@@ -19,7 +19,7 @@ _reference_cache: dict = {}
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(1000 + i).integers(0, CFG.vocab_size, length)]
+    return random_prompt(1000 + i, length, CFG.vocab_size)
 
 
 def reference(p: list[int], n: int) -> list[int]:
@@ -30,9 +30,7 @@ def reference(p: list[int], n: int) -> list[int]:
 
 
 def engine(**kw) -> LLMEngine:
-    base = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, kv_page_size=8, dtype="float32")
-    garbage = kw.pop("garbage_seed", 7)
-    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}), garbage_seed=garbage)
+    return small_engine(PARAMS, CFG, **{"garbage_seed": 7, "max_num_seqs": 8, "max_model_len": 256, **kw})
 
 
 @pytest.mark.parametrize("enforce_eager", [False, pytest.param(True, marks=pytest.mark.slow)])  # eager: test_spec_pd

@@ -2,15 +2,16 @@
 outputs, finish reasons, drafts accepted and fed tokens are exactly those of one step per launch, also
 when a request stops inside a launch or reaches its length limit, and the pools drain."""
 
-import numpy as np
 import pytest
 from helpers import (
     assert_async_equals_sync,
     naive_greedy,
     outside_sampling_support,
+    random_prompt,
     run_recorded,
     shipped_workload,
     small_config,
+    small_engine,
 )
 
 from jaxgdn.engine.config import EngineConfig
@@ -23,12 +24,12 @@ PARAMS = init_random_params(CFG, seed=41)
 
 
 def prompt(i: int, length: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(4000 + i).integers(0, CFG.vocab_size, length)]
+    return random_prompt(4000 + i, length, CFG.vocab_size)
 
 
 def engine(steps: int, **kw) -> LLMEngine:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, kv_page_size=8, dtype="float32")
-    return LLMEngine(PARAMS, CFG, EngineConfig(**{**base, **kw}, decode_steps_per_launch=steps), garbage_seed=3)
+    return small_engine(PARAMS, CFG, garbage_seed=3, decode_steps_per_launch=steps,
+                        **{"max_num_batched_tokens": 64, **kw})
 
 
 def test_multi_step_launches_equal_single_steps_with_stops_lengths_and_sampling():

@@ -4,9 +4,8 @@ decode worker's pools in the buffers they were in, and a prefill worker holds a 
 only until its handoff is taken."""
 
 import jax
-import numpy as np
 import pytest
-from helpers import naive_greedy, small_config
+from helpers import naive_greedy, random_prompt, small_config
 
 from jaxgdn.engine.compile_times import CompileEvents
 from jaxgdn.engine.config import EngineConfig
@@ -28,7 +27,7 @@ def ecfg(**kw):
 
 
 def prompt(i, n):
-    return [int(t) for t in np.random.default_rng(40 + i).integers(2, CFG.vocab_size, n)]
+    return random_prompt(40 + i, n, CFG.vocab_size, low=2)
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def test_a_hit_resumes_at_the_longest_prefix_with_a_snapshot_and_leaves_a_token(
     assert cache.match(request(BASE[:16], rid=3)).num_tokens == 8  # 16 would leave nothing to compute
     assert cache.match(request(BASE[:15] + [0, 0], rid=4)).num_tokens == 8  # parts at 15: pages 0-2, snapshot 8
     assert cache.match(request([BASE[0] + 1] + BASE[1:20], rid=5)) is None
-    assert cache.match(request(BASE[:20], rid=6, prefill_only=True, next_prompt_token=BASE[20])).num_tokens == 16
+    assert cache.match(request(BASE[:20], rid=6, next_prompt_token=BASE[20])).num_tokens == 16
     assert PrefixCache(32, PAGE, 8, INTERVAL, enabled=False).match(request(BASE[:20], rid=7)) is None
 
 

@@ -6,7 +6,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import naive_greedy, run_staggered, small_config
+from helpers import naive_greedy, random_prompt, run_staggered, small_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +27,7 @@ _refs: dict = {}
 
 
 def prompt(i, n):
-    return [int(t) for t in np.random.default_rng(500 + i).integers(0, CFG.vocab_size, n)]
+    return random_prompt(500 + i, n, CFG.vocab_size)
 
 
 def ref(p, n=6):

@@ -80,7 +80,7 @@ def step_collectives(model: str, tp: int, batch: int, K: int, stochastic: bool) 
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
                           shardings(mesh, param_specs(params)))
     state = Placement(mesh=mesh).abstract_state(
-        lambda: init_engine_state(cfg, ecfg, ecfg.num_kv_pages, num_spec=K, with_mtp=K > 0))
+        lambda: init_engine_state(cfg, ecfg, ecfg.num_kv_pages, num_speculative_tokens=K, with_mtp=K > 0))
     runner = ModelRunner(params, cfg, state, policy=ecfg.kernel_policy("cpu"), mesh=mesh)
     local = local_config(cfg, tp)
     # the uniform program of one step of `batch` decode rows (verify windows with K > 0), as GPU decode runs

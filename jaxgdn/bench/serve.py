@@ -166,7 +166,7 @@ def serve(llm, requests, request_rate: float, seed: int, max_concurrency: int | 
 def bound_s(cfg, params, requests, batch: int, matmul_tflops: float, bandwidth_gbs: float) -> dict:
     """The time the requests need at least: prompt FLOPs over the matmul rate, plus the decode steps (the
     output tokens over the batch reached) each moving the weights and the batch's states once."""
-    from .steps import decode_bytes, model_sizes, prefill_flops
+    from .roofline import decode_bytes, model_sizes, prefill_flops
 
     sizes = model_sizes(params, cfg)
     flops = sum(prefill_flops(cfg, sizes, 1, len(p)) for p, _ in requests)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..engine.config import LIBRARY_GEMMS_MIN_TOKENS
 from .common import measured_bandwidth_gbs, measured_matmul_tflops
+from .roofline import decode_bytes, model_sizes, prefill_flops
 from .transformers_peer import hf_decode_ms, hf_prefill_ms, peer_model_or_none, record_peer
 
 
@@ -38,48 +39,6 @@ def load_model(model: str, include_mtp: bool = False):
 
     cfg, params = load_checkpoint(model, dtype=jnp.bfloat16, include_mtp=include_mtp)
     return params, cfg
-
-
-def model_sizes(params, cfg) -> dict:
-    """Bytes and matmul parameters of the trunk (MTP excluded). A tied lm_head is the embedding matrix."""
-    import jax
-
-    trunk = dict(vars(params))
-    trunk.pop("mtp", None)
-    leaves = jax.tree_util.tree_leaves(trunk)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
-    embed = params.embed_tokens.size
-    matmul_params = sum(x.size for x in leaves if x.ndim == 2) - embed  # per-token linears, no lm_head
-    return {"weight_bytes": int(weight_bytes), "matmul_params": int(matmul_params), "lm_head_params": int(embed)}
-
-
-def _layer_counts(cfg):
-    from ..model.config import FULL_ATTENTION
-
-    n_attn = sum(t == FULL_ATTENTION for t in cfg.layer_types)
-    return n_attn, len(cfg.layer_types) - n_attn
-
-
-def decode_bytes(cfg, sizes: dict, batch: int, context: int) -> int:
-    """Bytes one decode step must move: every weight once, each sequence's fp32 GDN state read and
-    written, its conv window, and its attention KV (bf16) read."""
-    n_attn, n_gdn = _layer_counts(cfg)
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    conv = (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_key_dim + cfg.linear_value_dim) * 2
-    kv = context * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
-    return sizes["weight_bytes"] + batch * (n_gdn * 2 * (state + conv) + n_attn * kv)
-
-
-def prefill_flops(cfg, sizes: dict, batch: int, length: int) -> float:
-    """Matmul FLOPs of a prefill: linears per token, causal attention, the GDN chunk products, and the
-    lm_head for one token per sequence."""
-    n_attn, n_gdn = _layer_counts(cfg)
-    tokens = batch * length
-    linear = 2 * sizes["matmul_params"] * tokens
-    attn = n_attn * batch * 2 * length * length * cfg.num_attention_heads * cfg.head_dim  # QKᵀ and PV, causal half
-    d, C = cfg.linear_key_head_dim, 64
-    gdn = n_gdn * tokens * cfg.linear_num_value_heads * (6 * d * d + 8 * C * d)
-    return linear + attn + gdn + 2 * sizes["lm_head_params"] * batch
 
 
 def bench_engine_config(*, batch: int, max_model_len: int, max_batched: int, K: int = 0, gdn_impl: str = "auto",

@@ -39,12 +39,9 @@ class CacheManager:
     def before(self, rows) -> list:
         """The state copies to run before the launch of rows: page copies, then snapshot restores."""
         ps = self.prefix.page_size
-        pages = [PageCopy(r.request.copy_page_from, r.request.pages[r.request.num_computed // ps]) for r in rows
-                 if r.request.copy_page_from is not None]
-        restores = [SnapshotRestore(r.request.restore_snapshot, r.request.slot, r.request.num_computed) for r in rows
-                    if r.request.restore_snapshot]
-        for r in rows:
-            r.request.restore_snapshot, r.request.copy_page_from = 0, None
+        hits = [(r.request, hit) for r in rows if (hit := self.prefix.take(r.request)) is not None]
+        pages = [PageCopy(h.tail_page, req.pages[req.num_computed // ps]) for req, h in hits if h.tail_page is not None]
+        restores = [SnapshotRestore(h.snapshot, req.slot, req.num_computed) for req, h in hits if h.snapshot]
         return pages + restores
 
     def request_finished(self, req, num_outputs: int, later_rows: list, state: EngineState) -> None:

@@ -31,7 +31,7 @@ from .penalties import seed, seed_size
 from .placement import Placement
 from .program_keys import program_keys, step_peak
 from .programs import ProgramSet
-from .request import PLACEHOLDER_TOKEN, Request, RequestMetrics, RequestOutput, RequestStatus, SamplingParams, \
+from .request import Request, RequestMetrics, RequestOutput, RequestStatus, SamplingParams, \
     validate_request
 from .role import Role
 from .runner import ModelRunner, enable_compilation_cache
@@ -80,7 +80,7 @@ class LLMEngine:
                                   device=None if self.mesh else self.device, rebases=ecfg.uses_async_scheduling and K > 0,
                                   mesh=self.mesh)
         new_state = lambda pages, garbage=None: init_engine_state(  # noqa: E731
-            cfg, ecfg, pages, num_spec=K, with_mtp=with_mtp, garbage_seed=garbage)
+            cfg, ecfg, pages, num_speculative_tokens=K, with_mtp=with_mtp, garbage_seed=garbage)
         caching = ecfg.enable_prefix_caching and self.role.caches_prefixes
         # a shard's pools are its heads' share: the per-device plan is the local config's
         peak = lambda pages: step_peak(self.runner, self.programs, ecfg, self.block_q,  # noqa: E731
@@ -135,12 +135,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    error: str | None = None) -> int:
+                    error: str | None = None, **fields) -> int:
         """Queue a request; returns its id. Invalid input (or a caller's `error`) finishes it at once
-        with finish_reason "error"."""
+        with finish_reason "error". fields: more of the Request's own fields (a PD worker's request)."""
         params = params or SamplingParams()
         rid = next(self._ids)
-        req = Request(rid, list(prompt_token_ids), params, RequestMetrics(arrival_time=time.perf_counter()))
+        req = Request(rid, list(prompt_token_ids), params, RequestMetrics(arrival_time=time.perf_counter()), **fields)
         self.requests[rid] = req
         error = error or self.validate(req.prompt_token_ids, params) or (
             self.role.samples_outputs and attach_host_masks(req, self.grammars, self.cfg.eos_token_ids)) or None
@@ -163,7 +163,6 @@ class LLMEngine:
         if req is None or req.status is RequestStatus.FINISHED:
             return
         self.scheduler.finish(req, "abort")
-        req.output_token_ids = [t for t in req.output_token_ids if t != PLACEHOLDER_TOKEN]
 
     def forget(self, rid: int) -> None:
         """Drop a finished request's record (a server's engine runs for ever; LLM.generate keeps them)."""

@@ -99,11 +99,12 @@ def seed_size(max_model_len: int) -> int:
     return max(SEED_BUCKET, 1 << (max_model_len - 1).bit_length())
 
 
-def seed_admitted(state, rows, size: int):
-    """state with the slots of the rows' penalized requests that were just admitted (no row built yet) seeded."""
-    for row in rows:
+def seed_admitted(state, rows, first: list[bool], size: int):
+    """state with the slots of the rows' penalized requests seeded where the row is the request's first since it
+    was admitted (first, per row)."""
+    for row, is_first in zip(rows, first):
         req = row.request
-        if not req.launched and penalized(req.sampling_params):
+        if is_first and penalized(req.sampling_params):
             state = seed(state, req.slot, req.prompt_token_ids, [t for t in req.output_token_ids if t >= 0], size)
     return state
 

@@ -204,27 +204,40 @@ class PrefixCache:
         self.lookahead = lookahead
         self.enabled = enabled
         self.stats = PrefixCacheStats()
+        self._keys: dict[int, tuple[int, list[bytes]]] = {}  # request id -> (prefill_len, page keys) of its computation
+        self._resume: dict[int, PrefixHit] = {}  # request id -> the hit it starts on, until its first launch (take)
 
     @staticmethod
     def known_tokens(req) -> list[int]:
         """The tokens the request's current computation prefills, and the one after them where known (a PD
         prefill worker's next prompt token)."""
         known = req.token_slice(0, req.prefill_len)
-        if req.prefill_only and req.next_prompt_token is not None:
+        if req.prefill_only:
             known = known + [req.next_prompt_token]
         return known
 
     def keys(self, req) -> list[bytes]:
         """The request's page keys (made once per computation: a preempted request prefills more tokens)."""
-        if req.page_keys is None or req.page_keys[0] != req.prefill_len:
-            req.page_keys = (req.prefill_len, page_keys(self.known_tokens(req), self.page_size, self.lookahead))
-        return req.page_keys[1]
+        made = self._keys.get(req.request_id)
+        if made is None or made[0] != req.prefill_len:
+            made = self._keys[req.request_id] = (req.prefill_len, page_keys(self.known_tokens(req), self.page_size,
+                                                                            self.lookahead))
+        return made[1]
+
+    def forget(self, req) -> None:
+        """A request's pages and slot are freed (finished, preempted): drop what is kept for it."""
+        self._keys.pop(req.request_id, None)
+        self._resume.pop(req.request_id, None)
+
+    def take(self, req) -> PrefixHit | None:
+        """The hit an admitted request starts on, once (its snapshot to restore and tail page to copy before its
+        first launch), or None."""
+        return self._resume.pop(req.request_id, None)
 
     def match(self, req) -> PrefixHit | None:
         """The longest resumable prefix of a request about to start from its first token, or None (also for a
         request that asks for prompt logprobs: those of cached tokens are not kept)."""
-        if (not self.enabled or req.num_computed or req.handoff is not None
-                or req.sampling_params.prompt_logprobs is not None):
+        if not self.enabled or req.num_computed or req.sampling_params.prompt_logprobs is not None:
             return None
         keys = self.keys(req)
         pages = self.pages.lookup(keys)
@@ -255,30 +268,23 @@ class PrefixCache:
         return None
 
     def hold(self, req) -> PrefixHit | None:
-        """For a request about to start: its longest hit, held (its pages, num_computed after them), or None."""
+        """For a request about to start: its longest hit, its pages held (the scheduler gives them to the request,
+        or frees them if it does not start after all), or None."""
         hit = self.match(req)
         if hit is not None:
             self.pages.acquire(hit.pages)
-            req.pages, req.num_computed = list(hit.pages), hit.num_tokens
         return hit
 
-    def release(self, req) -> None:
-        """Undo `hold` for a request that did not start after all."""
-        self.pages.free(req.pages)
-        req.pages, req.num_computed = [], 0
-
-    def admit(self, req, hit: PrefixHit | None) -> None:
-        """A request starts (after `hold`): count its lookup; with a hit, restore the snapshot before its first
-        step."""
-        if not self.enabled or req.handoff is not None or (req.num_computed and hit is None):
-            return
+    def admit(self, req, hit: PrefixHit | None) -> int | None:
+        """A request starts (after `hold`): count its lookup and keep its hit for `take`. Returns the prompt tokens
+        it found cached (None: not looked up: caching off, or its state arrived computed)."""
+        if not self.enabled or (req.num_computed and hit is None):
+            return None
         self.stats.queries += req.prefill_len
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = hit.num_tokens if hit else 0
         if hit is not None:
-            req.restore_snapshot = hit.snapshot
-            req.copy_page_from = hit.tail_page
+            self._resume[req.request_id] = hit
             self.stats.hits += hit.num_tokens
+        return hit.num_tokens if hit else 0
 
     def _due(self, key: bytes, boundary: int, shared: bool) -> bool:
         """Whether a snapshot at this state-interval boundary is wanted: not cached yet, and either inside a

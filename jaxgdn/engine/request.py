@@ -185,13 +185,12 @@ class Request:
     prefill_len: int = 0
     slot: int = 0  # persistent request slot (0 = none; slot 0 is the null slot)
     pages: list[int] = dataclasses.field(default_factory=list)
-    pages_in_table: int = 0  # of `pages`, how many the host block table holds (step_layout.BlockTables)
     finish_reason: str | None = None
     error: str | None = None
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
-    prefill_only: bool = False  # a PD prefill worker's request: stop after the prompt, export a handoff
-    next_prompt_token: int | None = None  # prefill_only: the prompt token after this worker's tokens (x_N)
-    handoff: object | None = None  # a PD decode worker's request: state to import on admission
+    # a PD prefill worker's request (prefill_only): the prompt token after this worker's tokens (x_N); it stops
+    # after the prompt and exports a handoff
+    next_prompt_token: int | None = None
     # Async scheduling: the last output this request may produce is in flight; do not schedule it again.
     awaiting_final_token: bool = False
     # Async scheduling with MTP: a verify launch in flight is booked as if it accepted every draft
@@ -199,14 +198,7 @@ class Request:
     # fill, spec_excess counts the unused ones removed so far (engine._apply).
     output_slack: int = 0
     spec_excess: int = 0
-    # Prefix caching (prefix_cache.py): the page keys of the current computation (prefill_len, keys), the
-    # snapshot to restore into the slot before the first step (0: none), tokens found cached at admission.
-    page_keys: tuple | None = dataclasses.field(default=None, repr=False)
-    restore_snapshot: int = 0
-    launched: bool = False  # a row of it was built since it was admitted (step_layout.build_step)
-    device_stops: tuple = ()  # the stop tokens the device checks (step_layout.StopTable, at its first row)
-    copy_page_from: int | None = None  # a cached partial page to copy into its page before the first step
-    num_cached_tokens: int | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it started
     # The masks the host computes for its logits rows (host_masks.HostMasks: grammar, min_tokens, bad_words);
     # masks_in_flight: a launch of its sampling row is not applied yet (its next masks need those tokens; the
     # scheduler waits)
@@ -247,6 +239,10 @@ class Request:
         if end < self.num_tokens:
             return self.token_slice(end, end + 1)[0]
         return self.next_prompt_token or 0
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.next_prompt_token is not None
 
     @property
     def num_tokens(self) -> int:

@@ -347,7 +347,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         flats = [to_host(x) for x in pending.flats]
         self.timings["wait"] += time.perf_counter() - t0
-        R, K, T, n = pending.num_rows, pending.num_drafts, pending.num_tokens, pending.num_steps
+        R, K, T, n = pending.num_rows, pending.num_speculative_tokens, pending.num_tokens, pending.num_steps
         W = 1 + K
         main, *extra = flats
         sampled = np.split(extra.pop(0), n) if pending.sampler & Sampler.LOGPROBS else [None] * n
@@ -370,7 +370,7 @@ class PendingStep:
     # device int32 buffers that make [R*(1+K) tokens | R num_sampled | R*K drafts | T ids | scores] per model step
     flats: list
     num_rows: int
-    num_drafts: int
+    num_speculative_tokens: int
     num_steps: int = 1
     sampler: int = Sampler.GREEDY
     num_tokens: int = 0  # T

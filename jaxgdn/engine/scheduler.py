@@ -117,9 +117,9 @@ class Scheduler:
 
     def release(self, req: Request) -> None:
         """Free a request's pages and slot."""
+        self.prefix.forget(req)
         self.pages.free(req.pages)
         req.pages = []
-        req.pages_in_table = 0
         if req.slot:
             self.slots.free([req.slot])
             req.slot = 0
@@ -129,6 +129,8 @@ class Scheduler:
         the caller frees them later with `release`)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if reason == "abort":  # outputs of a launch in flight are never filled in
+            req.output_token_ids = [t for t in req.output_token_ids if t != PLACEHOLDER_TOKEN]
         req.metrics.finished_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
@@ -145,11 +147,9 @@ class Scheduler:
         self.release(req)
         req.status = RequestStatus.WAITING
         req.num_computed = 0
-        req.launched = False
         req.prefill_len = req.num_tokens
         req.spec_token_ids = []
         req.awaiting_final_token = False
-        req.handoff = None  # imported state is gone with the pages; recompute from scratch
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -262,13 +262,18 @@ class Scheduler:
         while self.waiting and budget > 0 and self.slots.num_free:
             req = self.waiting[0]
             hit = self.prefix.hold(req)  # before _plan and _pages_for: it starts after its cached tokens
+            if hit is not None:
+                req.pages, req.num_computed = list(hit.pages), hit.num_tokens
             row = self._plan(req, budget, rows)
             if row is None or self._pages_for(row) > self.pages.num_free:
                 if hit is not None:
-                    self.prefix.release(req)
+                    self.pages.free(req.pages)
+                    req.pages, req.num_computed = [], 0
                 break  # FCFS: later requests wait behind the head
             need = self._pages_for(row)
-            self.prefix.admit(req, hit)
+            cached = self.prefix.admit(req, hit)
+            if cached is not None and req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
             self.waiting.popleft()
             (req.slot,) = self.slots.allocate(1)
             req.pages += self.pages.allocate(need)

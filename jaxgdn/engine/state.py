@@ -89,12 +89,12 @@ class EngineState:
 
 
 def init_engine_state(
-    cfg: ModelConfig, ecfg: EngineConfig, num_pages: int, num_spec: int = 0, with_mtp: bool = False,
+    cfg: ModelConfig, ecfg: EngineConfig, num_pages: int, num_speculative_tokens: int = 0, with_mtp: bool = False,
     garbage_seed: int | None = None,
 ) -> EngineState:
     """Allocate the device pools. garbage_seed fills every buffer with random garbage (slot-hygiene tests)."""
     dt = ecfg.jnp_dtype
-    S, K = ecfg.num_slots, num_spec
+    S, K = ecfg.num_slots, num_speculative_tokens
 
     def paged():
         shape = (num_pages, ecfg.kv_page_size, cfg.num_key_value_heads, cfg.head_dim)

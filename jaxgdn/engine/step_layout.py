@@ -36,14 +36,13 @@ class StopTable:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def admit(self, req: Request) -> None:
-        req.device_stops = device_stop_ids(req.sampling_params, self.eos_token_ids)
-        self.table[req.slot] = req.device_stops
+        self.table[req.slot] = device_stop_ids(req.sampling_params, self.eos_token_ids)
 
 
 def device_stop_ids(params, eos_token_ids: tuple) -> np.ndarray:
     """[DEVICE_STOPS] the stop tokens the device checks for a request, -1 padded: its EOS tokens (unless
     ignore_eos), then its stop_token_ids. Each is a token the host finishes the request on
-    (`LLMEngine._finish_if_done`), so a slot the device flags never has a request that goes on."""
+    (`Update.finish_if_done`), so a slot the device flags never has a request that goes on."""
     ids = list(dict.fromkeys((() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)))
     out = np.full(DEVICE_STOPS, -1, np.int32)
     out[: min(len(ids), DEVICE_STOPS)] = ids[:DEVICE_STOPS]
@@ -72,7 +71,7 @@ class StepArrays:
     pad_tail: np.ndarray  # [R] bool: a prompt tail padded with -1 placeholder drafts
     next_token: np.ndarray  # [R] the token after a non-sampling chunk (for the MTP's last cell)
     samples: np.ndarray  # [R] bool
-    token_budget: np.ndarray  # [R] tokens the row may emit in a launch of several steps (runner._advance_rows)
+    token_budget: np.ndarray  # [R] tokens the row may emit in a launch of several steps (device_step._advance_rows)
     stop_ids: np.ndarray  # [R, DEVICE_STOPS] tokens that end the row's request (-1: none), checked on the device
     first_row: np.ndarray  # [R] bool: the request's first row since it was admitted (clears its slot's stop flag)
     rebase: np.ndarray  # [R] bool: the row starts where the device's count says (async scheduling with MTP)
@@ -82,7 +81,7 @@ class StepArrays:
     top_p: np.ndarray  # [R]
     seeds: np.ndarray  # [R] uint32
     request_ids: np.ndarray  # [R] uint32
-    # [R * (1+K), ceil(V/32)] int32: the tokens each logits row may take (structured.launch_bitmask); None: any
+    # [R * (1+K), ceil(V/32)] int32: the tokens each logits row may take (host_masks.launch_bitmask); None: any
     bitmask: np.ndarray | None = None
     # penalties.penalty_arrays: [R, 3] f32 presence, frequency, repetition; [R, 2, B] logit bias ids and values
     penalties: np.ndarray | None = None
@@ -91,26 +90,29 @@ class StepArrays:
 
 class BlockTables:
     """The host's copy of every slot's block table, [S, max_pages_per_seq]: a row's pages are written once,
-    when the scheduler allocates them, and each step copies the rows of its requests."""
+    when the scheduler allocates them, and each step copies the rows of its requests. filled[slot]: how many of
+    its request's pages the slot's row holds."""
 
     def __init__(self, num_slots: int, max_pages: int):
         self.table = np.full((num_slots, max_pages), NULL_PAGE, np.int32)
+        self.filled = np.zeros(num_slots, np.int64)
 
-    def sync(self, req: Request) -> None:
-        n, done = len(req.pages), req.pages_in_table
+    def sync(self, req: Request, first: bool) -> None:
+        """Write req's pages not in its slot's row yet (first: its first row since it was admitted: none are)."""
+        n, done = len(req.pages), 0 if first else int(self.filled[req.slot])
         if n > done:
             self.table[req.slot, done:n] = req.pages[done:n]
-            req.pages_in_table = n
+        self.filled[req.slot] = n
 
 
 def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, slot_prefill_len: np.ndarray,
                tables: BlockTables, block_q: int, rebase: list[bool] | None = None,
-               stops: StopTable | None = None) -> StepArrays:
+               stops: StopTable | None = None, first: list[bool] | None = None) -> StepArrays:
     """Flatten scheduled rows into the arrays of a program of `shape`. slot_prefill_len: [S] per-slot prompt
     lengths; tables: the block tables (synced here); block_q: the attention kernel's queries per block;
     rebase: per row, whether its previous launch is still in flight (its num_computed is the host's guess);
-    stops: the slots' stop tokens (None: none), written for each request's first row. Marks each request
-    launched."""
+    stops: the slots' stop tokens (None: none), written for each request's first row; first: per row, whether it is
+    its request's first since the request was admitted (None: every row is)."""
     n_rows = len(rows)
     n_tok = np.array([r.num_tokens for r in rows], np.int32)
     n_tokens = int(n_tok.sum())
@@ -125,6 +127,7 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
         return out
 
     reqs = [r.request for r in rows]
+    first = [True] * n_rows if first is None else first
     sps = [q.sampling_params for q in reqs]
     start = np.array([q.num_computed for q in reqs], np.int32)
     qsl = np.full(R + 1, n_tokens, np.int32)
@@ -136,7 +139,7 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
     input_ids = np.zeros(T, np.int32)
     for b, row in enumerate(rows):
         req = row.request
-        tables.sync(req)
+        tables.sync(req, first[b])
         # Host places tokens it knows to be prompt (or recompute) tokens; the kernel places the rest.
         known_end = min(req.num_computed + row.num_tokens, req.prefill_len)
         if known_end > req.num_computed:
@@ -161,11 +164,9 @@ def build_step(rows: list[ScheduledRow], shape: StepShape, ecfg: EngineConfig, s
     request_ids = [hi if sp.seed is not None else (q.request_id + 1) & 0xFFFFFFFF
                    for q, sp, (_, hi) in zip(reqs, sps, words)]
     next_token = [q.token_after(q.num_computed + r.num_tokens) for q, r in zip(reqs, rows)]
-    first = [not q.launched for q in reqs]
     for q, is_first in zip(reqs, first):
         if is_first and stops is not None:
             stops.admit(q)
-        q.launched = True
     return StepArrays(
         input_ids=input_ids, positions=positions, token_row=token_row, kv_slots=kv_slots, query_start_loc=qsl,
         seq_lens=per_row(start + n_tok, np.int32), idx_mapping=idx_mapping, cu_num_logits=cu,

@@ -24,6 +24,7 @@ from .cache_manager import CacheManager
 from .runner import ModelRunner, PendingStep
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import SpecCounters
+from .step_layout import device_stop_ids
 
 
 @dataclasses.dataclass
@@ -158,7 +159,8 @@ class Update:
             reason = "length"
         else:
             return
-        device_stopped = last_of_step and reason == "stop" and token in req.device_stops  # later rows: null slot
+        # the device stopped the row too: its later rows ran on the null slot
+        device_stopped = last_of_step and reason == "stop" and token in device_stop_ids(sp, self.eos_token_ids)
         if last_of_launch or device_stopped:
             flight = None if device_stopped else later  # a stopped slot's later rows change nothing
             later_rows = [r for r in flight.out.rows if r.request is req] if flight else []

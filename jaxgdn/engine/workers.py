@@ -90,11 +90,7 @@ class PrefillRole(_PDRole):
 
     def submit(self, prompt: list[int], params: SamplingParams) -> int:
         """Queue prompt[:-1] for prefill; the last prompt token travels in the handoff."""
-        rid = self.engine.add_request(list(prompt[:-1]), params)
-        req = self.engine.requests[rid]
-        req.prefill_only = True
-        req.next_prompt_token = int(prompt[-1])
-        return rid
+        return self.engine.add_request(list(prompt[:-1]), params, next_prompt_token=int(prompt[-1]))
 
     def applied(self, req: Request, end: int) -> None:
         if req.prefill_only and end == req.prefill_len:  # its last chunk's results (not a later launch's booking)
@@ -162,6 +158,7 @@ class DecodeRole(_PDRole):
         decode server); the memory plan grants at most that many (`staged_handoffs` afterwards)."""
         self.staged_handoffs = staged_handoffs
         self.handoff_bytes_in = 0
+        self.pending: dict[int, Handoff] = {}  # request id -> its handoff, until the request is admitted
         self.source: PrefillRole | None = None  # the prefill worker whose pools it copies from (connect)
 
     def planned(self) -> None:
@@ -206,15 +203,14 @@ class DecodeRole(_PDRole):
     def submit(self, handoff: Handoff) -> int:
         """Queue a request whose first num_computed tokens arrive as state. A handoff from another model or
         configuration, or with arrays of the wrong sizes, finishes its request with an error."""
-        e = self.engine
-        rid = e.add_request(list(handoff.prompt_token_ids), handoff.sampling_params, error=self.check(handoff))
-        req = e.requests[rid]
-        req.num_cached_tokens = handoff.num_cached_tokens
-        if handoff.prompt_logprobs is not None:
-            req.prompt_logprobs = list(handoff.prompt_logprobs)
-        if req.error is None and handoff.num_computed:
-            req.num_computed = handoff.num_computed
-            req.handoff = handoff
+        e, error = self.engine, self.check(handoff)
+        state = error is None and handoff.num_computed > 0  # the state it brings (none for a 1-token prompt's)
+        extra = {} if handoff.prompt_logprobs is None else {"prompt_logprobs": list(handoff.prompt_logprobs)}
+        rid = e.add_request(list(handoff.prompt_token_ids), handoff.sampling_params, error=error,
+                            num_computed=handoff.num_computed if state else 0,
+                            num_cached_tokens=handoff.num_cached_tokens, **extra)
+        if state and e.requests[rid].error is None:
+            self.pending[rid] = handoff
             self.handoff_bytes_in += handoff.nbytes
         elif handoff.source is not None:
             handoff.source.release()
@@ -228,14 +224,13 @@ class DecodeRole(_PDRole):
                                len(self.engine.runner.state.mtp_layers))
 
     def aborted(self, rid: int) -> None:
-        req = self.engine.requests.get(rid)
-        if req is not None and req.handoff is not None and req.handoff.source is not None:
-            req.handoff.source.release()  # never admitted: its prefill worker's pages and slot are free again
-            req.handoff = None
+        h = self.pending.pop(rid, None)
+        if h is not None and h.source is not None:
+            h.source.release()  # never admitted: its prefill worker's pages and slot are free again
 
     def admitted(self, req: Request) -> list:
         """The state copy that brings an admitted request's handoff into its fresh pages and slot."""
-        h, req.handoff = req.handoff, None
+        h = self.pending.pop(req.request_id, None)
         if h is None:
             return []
         n = h.num_pages(self.engine.ecfg.kv_page_size)
