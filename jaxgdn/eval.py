@@ -212,14 +212,15 @@ def parse_args(argv=None):
     ap.add_argument("--configs", nargs="?", const="all", choices=["all", "fixed", "bug"],
                     help="sweep serving configurations (all: fixed and bug rows; fixed: the fixed rows; "
                          "bug: the baseline and the bug rows)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=1, help="K of the MTP rows in the sweep (default 1)")
     ap.add_argument("--wide-concurrency", type=int, default=64, help="the sweep's high concurrency (default 64)")
-    ap.add_argument("--mtp", type=int, default=0, metavar="K", help="single run: K MTP drafts (default 0)")
     ap.add_argument("--concurrency", type=int, default=64, help="single run: requests in flight (default 64)")
     ap.add_argument("--max-tokens", type=int, default=256)
-    e = ap.add_argument_group("engine", "EngineConfig's fields (pd and reproduce_pd_mtp_bug: the single run's)")
+    e = ap.add_argument_group("engine", "EngineConfig's fields (pd and reproduce_pd_mtp_bug: the single run's; "
+                                        "num_speculative_tokens: the single run's K, auto 0, or the sweep's MTP rows', "
+                                        "auto 1)")
     add_engine_flags(e, ["max_model_len", "max_num_batched_tokens", "dtype", "tensor_parallel_size", "pd",
-                         "reproduce_pd_mtp_bug"], max_model_len=1024, max_num_batched_tokens=1024)
+                         "reproduce_pd_mtp_bug", "num_speculative_tokens"], max_model_len=1024,
+                     max_num_batched_tokens=1024, num_speculative_tokens=None)
     ap.add_argument("--out", help="JSON path for the results (default with --configs: bench/results/eval_<backend>_<date>.json)")
     ap.add_argument("--multiple-choice", action="store_true",
                     help="the task's multiple-choice form scored by loglikelihood (lm-eval's jaxgdn_arith_mc) instead; "
@@ -252,9 +253,11 @@ def main(argv=None) -> int:
     answers = [p.answer for p in problems]
 
     if args.configs:
-        configs = sweep_configs(args.num_speculative_tokens, args.configs, wide=args.wide_concurrency)
+        k = 1 if args.num_speculative_tokens is None else args.num_speculative_tokens
+        configs = sweep_configs(k, args.configs, wide=args.wide_concurrency)
     else:
-        configs = [ServeConfig("single", pd=args.pd, num_speculative_tokens=args.mtp, concurrency=args.concurrency,
+        configs = [ServeConfig("single", pd=args.pd, num_speculative_tokens=args.num_speculative_tokens or 0,
+                               concurrency=args.concurrency,
                                reproduce_pd_mtp_bug=args.reproduce_pd_mtp_bug)]
     print(f"jaxgdn.eval: {len(problems)} problems from {args.data or args.split + ' split'}, model {model}, "
           f"{len(configs)} configuration(s)")
