@@ -129,15 +129,9 @@ def enable_compilation_cache(directory: str | None = None) -> str | None:
     if not directory:
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
-    # Programs that compiled in at least $JAXGDN_CACHE_MIN_COMPILE_S seconds (default 0, below JAX's own 1 s
-    # floor: a GPU compiles even a small program, such as one of the preset weights' draws, in a fraction of a
-    # second, and a start-up runs dozens of them).
-    floor = os.environ.get("JAXGDN_CACHE_MIN_COMPILE_S", "0")
-    try:
-        floor_s = float(floor)
-    except ValueError:
-        raise ValueError(f"$JAXGDN_CACHE_MIN_COMPILE_S must be a number of seconds, got {floor!r}") from None
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", floor_s)
+    # every program is kept, below JAX's own 1 s floor: a GPU compiles even a small program in a fraction of a
+    # second, and a start-up runs dozens of them
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return directory
 
 
