@@ -4,12 +4,14 @@ processes; each on 127.0.0.1 with a free port, stopped by the test, every wait b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import typing
 from pathlib import Path
 
 import httpx
@@ -50,11 +52,22 @@ def serve_in_thread(model: str, config, name: str, **llm_kwargs):
         thread.join(60)
 
 
+@dataclasses.dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log: typing.IO
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
 @contextlib.contextmanager
-def serve_processes(*arg_lists: list[str], start_timeout: float = 300):
+def serve_processes(*arg_lists: list[str], start_timeout: float = 300, handles: bool = False):
     """Start `python -m jaxgdn.serve ARGS` for each argument list (on a free port unless ARGS has --port); yield
-    their base URLs once every
-    /health answers; stop them (SIGTERM, then kill) at the end. A process that dies early fails with its log."""
+    their base URLs (handles: their ServerProcess) once every /health answers; stop them (SIGTERM, then kill) at
+    the end. A process that dies early fails with its log."""
     procs, urls, logs = [], [], []
     try:
         for args in arg_lists:
@@ -77,7 +90,7 @@ def serve_processes(*arg_lists: list[str], start_timeout: float = 300):
                     pass
                 assert time.monotonic() < deadline, f"server {url} not healthy after {start_timeout} s"
                 time.sleep(0.2)
-        yield urls
+        yield [ServerProcess(*x) for x in zip(urls, procs, logs)] if handles else urls
     finally:
         for proc in procs:
             proc.terminate()

@@ -5,6 +5,7 @@ against the plain server and the PD pair with jaxgdn.eval's accuracy. Handoff by
 or cut short, fail that request alone."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -108,6 +109,20 @@ def test_bad_handoffs_fail_their_request_only(pd_servers, baseline):
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     r = httpx.post(decode + "/v1/handoff", content=data, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == baseline.token_ids[0][:8]
+
+
+def test_a_json_schema_request_through_the_pd_pair(pd_servers):
+    """Structured output across the two processes: the decode server's prefill request carries the schema."""
+    decode, _, _ = pd_servers
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    r = httpx.post(decode + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": PROBLEMS[0].prompt(), "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].lstrip().startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["text"])["answer"], int)
 
 
 def lm_eval_accuracy(completions_url: str) -> float:

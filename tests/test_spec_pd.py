@@ -1,6 +1,8 @@
 """MTP speculative decoding + PD disaggregation: greedy losslessness, PD state equivalence, the
 invariants of docs/vllm-pd-mtp-gdn.md §8.1, and the #47466 regression reproduced on demand."""
 
+import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from jaxgdn.engine.config import EngineConfig
 from jaxgdn.engine.llm_engine import LLMEngine
 from jaxgdn.engine.pd import Handoff
 from jaxgdn.engine.request import RowKind, SamplingParams
+from jaxgdn.engine.structured import StructuredOutputsParams
 from jaxgdn.engine.workers import decode_engine, prefill_engine, run_disaggregated
 from jaxgdn.model.cache import init_cache
 from jaxgdn.model.forward import forward
@@ -140,6 +143,14 @@ def test_handoff_bytes_round_trip_every_field_and_reject_other_data():
     for bad in (b"not a handoff at all", data[: len(data) - 4]):
         with pytest.raises(ValueError):
             Handoff.from_bytes(bad)
+
+
+def test_sampling_params_survive_the_json_of_a_prefill_request():
+    """What a decode server sends its prefill server (the fields as JSON) comes back equal: a JSON schema, logit
+    bias, bad words and stop tokens included."""
+    sp = SamplingParams(temperature=0.5, seed=3, stop_token_ids=(4, 9), logit_bias={7: -2.0}, bad_words=["ab"],
+                        logprobs=2, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    assert SamplingParams.from_dict(json.loads(json.dumps(dataclasses.asdict(sp)))) == sp
 
 
 @pytest.mark.parametrize("padded", [False, True])

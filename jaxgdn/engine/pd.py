@@ -19,7 +19,6 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from .request import SamplingParams
-from .structured import StructuredOutputsParams
 
 Array = Any
 
@@ -130,11 +129,7 @@ class Handoff:
                 raise ValueError(f"handoff truncated: {len(data)} bytes, its {name} ends at "
                                  f"{base + start + count * dt.itemsize}")
             arrays[name] = np.frombuffer(data, dt, count, base + start).reshape(shape)
-        sp = meta.pop("sampling_params")
-        sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
-        if sp.get("structured_outputs") is not None:
-            sp["structured_outputs"] = StructuredOutputsParams(**sp["structured_outputs"])
-        return cls(sampling_params=SamplingParams(**sp), **meta, **arrays)
+        return cls(sampling_params=SamplingParams.from_dict(meta.pop("sampling_params")), **meta, **arrays)
 
 
 def config_fingerprint(cfg: ModelConfig, dtype: str, kv_page_size: int) -> str:

@@ -68,6 +68,11 @@ class PageCache:
     def num_free(self) -> int:
         return len(self._free) + len(self._lru)
 
+    @property
+    def num_cached(self) -> int:
+        """Pages nobody holds that keep published content (free, evicted on demand)."""
+        return len(self._lru)
+
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise MemoryError(f"need {n} KV pages, {self.num_free} free")
@@ -131,6 +136,7 @@ class SnapshotIndex:
     one evicted and overwritten after a restore was dispatched never corrupts that restore."""
 
     def __init__(self, num_snapshots: int):
+        self.capacity = max(0, num_snapshots - 1)
         self._free = list(range(num_snapshots - 1, 0, -1))
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 

@@ -99,6 +99,16 @@ class SamplingParams:
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
             self.structured_outputs.validate()
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> "SamplingParams":
+        """The inverse of `dataclasses.asdict` after a JSON round trip: lists back to tuples, structured_outputs
+        back to its dataclass."""
+        fields = dict(fields)
+        fields["stop_token_ids"] = tuple(fields.get("stop_token_ids", ()))
+        if isinstance(fields.get("structured_outputs"), dict):
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        return cls(**fields)
+
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

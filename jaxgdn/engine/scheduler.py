@@ -97,12 +97,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def usage(self) -> dict:
-        """Requests running and waiting, KV pages and request slots in use and in all (page 0 and slot 0, the null
-        ones, not counted)."""
+        """Requests running and waiting; KV pages, request slots and GDN snapshots in use and in all (page 0, slot 0
+        and snapshot 0, the null ones, not counted). kv_pages_used: held by requests; kv_pages_cached: held by the
+        prefix cache alone (free on demand); snapshots_used: all held by the prefix cache."""
         pages, slots = len(self.pages.refs) - 1, self.ecfg.num_slots - 1
+        snapshots = self.prefix.snapshots
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_pages_used": pages - self.pages.num_free, "kv_pages_total": pages,
-                "slots_used": slots - self.slots.num_free, "slots_total": slots}
+                "kv_pages_used": pages - self.pages.num_free, "kv_pages_cached": self.pages.num_cached,
+                "kv_pages_total": pages, "slots_used": slots - self.slots.num_free, "slots_total": slots,
+                "snapshots_used": len(snapshots), "snapshots_total": snapshots.capacity}
 
     def near_length_limit(self, steps_per_launch: int) -> bool:
         """MTP: a running request might be within one launch of verify windows of max_model_len, where schedule()

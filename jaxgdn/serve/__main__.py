@@ -35,7 +35,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-url", help="with --role decode: the prefill server's base URL (without it the decode "
                                           "server prefills prompts itself)")
     ap.add_argument("--request-timeout", type=float, default=None,
-                    help="abort a request after this many seconds (default: never)")
+                    help="abort a request after this many seconds (HTTP 408; default: never)")
+    ap.add_argument("--prefill-timeout", type=float, default=600.0,
+                    help="with --prefill-url: seconds to wait for the prefill server's handoff before the request "
+                         "fails with HTTP 504 (default %(default)s; --request-timeout bounds it too)")
     ap.add_argument("--max-waiting", type=int, default=4096,
                     help="requests queued beyond the running ones before new ones get HTTP 429 (default %(default)s)")
     ap.add_argument("--max-request-bytes", type=int, default=None,
@@ -79,7 +82,8 @@ def build_state(args):
     return ServerState(front=front, model_name=args.served_model_name or Path(str(model)).name,
                        tokenizer=tokenizer, role=args.role,
                        prefill_url=args.prefill_url if args.role == "decode" else None,
-                       request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes)
+                       request_timeout=args.request_timeout, prefill_timeout=args.prefill_timeout,
+                       max_request_bytes=args.max_request_bytes)
 
 
 def main(argv=None) -> int:
@@ -101,8 +105,13 @@ def main(argv=None) -> int:
         return 2
     logging.getLogger("jaxgdn.serve").info("serving %s (role %s) on http://%s:%d", state.model_name, args.role,
                                            args.host, args.port)
-    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    state.on_engine_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if state.engine_died:
+        print(f"jaxgdn.serve: exiting with status 1: the engine stopped ({state.front.error})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +24,13 @@ from ..engine.workers import needs_prefill
 from .inputs import BodyLimit, check_text_fits, encode_text, prompt_ids
 from .metrics import prometheus_text
 from .protocol import BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_body
-from .responses import Choice, generate, respond
+from .responses import Choice, cancel_tasks, generate, respond, until_done_or_gone
 from .server_state import ServerState
 from .text import TextStream, render_chat
 from .tokenize_routes import add_tokenizer_routes
 
 __all__ = ["ServerState", "build_app"]
+logger = logging.getLogger("jaxgdn.serve")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -40,7 +42,10 @@ def build_app(state: ServerState) -> FastAPI:
             state.http = httpx.AsyncClient(base_url=state.prefill_url, timeout=None)
         if state.role == "decode":
             state.staging = asyncio.Semaphore(max(1, state.front.engine.role.staged_handoffs))
+        watchdog = asyncio.create_task(_watch_engine(state)) if state.on_engine_death is not None else None
         yield
+        if watchdog is not None:
+            watchdog.cancel()
         # uvicorn has let the open requests finish (or its graceful timeout ran out): abort the rest
         state.front.shutdown(abort=state.shutdown_abort)
         if state.http is not None:
@@ -83,6 +88,13 @@ def build_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "jaxgdn", "max_model_len": ecfg.max_model_len}]}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached prefix (vLLM's route); pages held by running requests stay theirs."""
+        if not await asyncio.to_thread(state.front.reset_prefix_cache):
+            raise BadRequest("the engine is not running", status=503, kind="server_error")
+        return {"status": "ok"}
+
     add_tokenizer_routes(app, state)
 
     if state.role == "prefill":
@@ -92,20 +104,20 @@ def build_app(state: ServerState) -> FastAPI:
             try:
                 body = await request.json()
                 ids = [int(t) for t in body["prompt_token_ids"]]
-                fields = dict(body.get("sampling_params", {}))
-                sp = SamplingParams(**{**fields, "stop_token_ids": tuple(fields.get("stop_token_ids", ()))})
+                sp = SamplingParams.from_dict(body.get("sampling_params", {}))
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise BadRequest(f"bad prefill request: {e!r}") from None
             _check(state, ids, sp)
             if not needs_prefill(ids):
                 raise BadRequest("nothing to prefill: a prompt of one token goes straight to the decode server",
                                  "prompt_token_ids")
-            async for delta in generate(state, ids, sp):
-                if delta.handoff is not None:
-                    return Response(delta.handoff.to_bytes(), media_type="application/octet-stream")
-                if delta.finished:
-                    raise BadRequest(delta.error or f"prefill ended: {delta.finish_reason}", status=500,
-                                     kind="server_error")
+            task = asyncio.create_task(_handoff_bytes(state, ids, sp))
+            try:
+                if not await until_done_or_gone([task], request):  # its decode server gave up or died: abort
+                    return Response(status_code=499)
+            finally:
+                cancel_tasks([task])
+            return Response(task.result(), media_type="application/octet-stream")
         return app
 
     if state.role == "decode":
@@ -150,6 +162,26 @@ def build_app(state: ServerState) -> FastAPI:
         return await respond(state, body, choices, chat=True, http_request=request)
 
     return app
+
+
+async def _watch_engine(state: ServerState, period: float = 0.5) -> None:
+    """Once the engine stops on its own (its requests in flight have failed), log why and call on_engine_death,
+    which ends the server so a supervisor restarts it."""
+    while state.front.alive or state.front.closing:
+        await asyncio.sleep(period)
+    state.engine_died = True
+    logger.error("the engine stopped (%s); its requests in flight failed; the server exits so that a supervisor "
+                 "can restart it", state.front.error)
+    state.on_engine_death()
+
+
+async def _handoff_bytes(state: ServerState, ids: list[int], sp: SamplingParams) -> bytes:
+    async for delta in generate(state, ids, sp):
+        if delta.handoff is not None:
+            return delta.handoff.to_bytes()
+        if delta.finished:
+            raise BadRequest(delta.error or f"prefill ended: {delta.finish_reason}", status=500, kind="server_error")
+    raise BadRequest("prefill ended without a handoff", status=500, kind="server_error")
 
 
 # ------------------------------------------------------------------------------------------ requests

@@ -20,46 +20,13 @@ from typing import AsyncIterator, Callable
 from ..engine.compile_times import CompileEvents
 from ..engine.llm_engine import LLMEngine
 from ..engine.pd import Handoff
-from ..engine.request import PLACEHOLDER_TOKEN, RequestOutput, SamplingParams
+from ..engine.request import PLACEHOLDER_TOKEN, SamplingParams
 from ..engine.workers import DecodeRole, needs_prefill, step_pair
+from .deltas import Delta, EngineDead, EngineFull, RequestTimedOut, call_on, fill_queues, stream_deltas
+
+__all__ = ["AsyncEngine", "Delta", "EngineDead", "EngineFull", "RequestTimedOut"]
 
 logger = logging.getLogger("jaxgdn.serve")
-
-
-@dataclasses.dataclass
-class Delta:
-    """What one request produced since its last delta. The last delta of a request has finish_reason set
-    ("stop", "length", "abort", "error" with `error`, or "handoff" with `handoff` in a prefill role) and the
-    whole `output`."""
-
-    token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
-    handoff: Handoff | None = None
-    output: RequestOutput | None = None
-    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
-    logprobs: list | None = None  # with SamplingParams.logprobs: the raw entry of each of token_ids (logprobs.py)
-    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: the prompt's, in the first delta
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def then(self, later: "Delta") -> "Delta":
-        """This delta followed by a later one of the same request, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else (
-            (self.logprobs or []) + (later.logprobs or []))
-        return Delta(self.token_ids + later.token_ids, later.finish_reason, later.error, later.handoff, later.output,
-                     max(self.num_cached_tokens, later.num_cached_tokens), logprobs,
-                     self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
-
-
-class RequestTimedOut(RuntimeError):
-    """A request ran past its timeout and was aborted."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped (shut down, or a step raised): no request can be served."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -144,6 +111,15 @@ class AsyncEngine:
     def full(self) -> bool:
         """max_waiting requests wait beyond a full running batch: submit refuses more."""
         return self._pending >= self.max_waiting + self.validator.ecfg.max_num_seqs
+
+    def reset_prefix_cache(self, timeout: float = 60.0) -> bool:
+        """Forget every cached prefix (on the engine thread, between steps); True once done, False if the engine
+        is not running or did not get to it within timeout seconds."""
+        if not self.alive:
+            return False
+        done = threading.Event()
+        self._inbox.put(("reset", done))
+        return done.wait(timeout)
 
     def abort(self, handle: int) -> None:
         """Finish the request now (finish_reason "abort"); its pages and slot are free on the next step."""
@@ -233,6 +209,12 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self._abort(cmd[1])
             return
+        if cmd[0] == "reset":
+            for e in self.engines:
+                e.reset_prefix_cache()
+            self._publish()
+            cmd[1].set()
+            return
         _, handle, s, ids, params, handoff = cmd
         self._streams[handle] = s
         if handoff is not None:  # a decode role: the prompt's state arrives prefilled
@@ -298,7 +280,7 @@ class AsyncEngine:
             elif new:
                 self._safe_sink(s, Delta(new, num_cached_tokens=req.num_cached_tokens or 0, **scores), batches)
         for loop, items in batches.items():
-            _call_on(loop, _fill_queues, items)
+            call_on(loop, fill_queues, items)
         if self.on_emit is not None:
             self.on_emit()
         self.counters["generation_tokens"] += produced
@@ -314,7 +296,7 @@ class AsyncEngine:
     def _safe_sink(s: _Stream, delta: Delta, batches: dict | None = None) -> None:
         if s.queue is not None:
             if batches is None:
-                _call_on(s.loop, s.queue.put_nowait, delta)
+                call_on(s.loop, s.queue.put_nowait, delta)
             else:
                 batches.setdefault(s.loop, []).append((s.queue, delta))
             return
@@ -341,35 +323,8 @@ class AsyncEngine:
             "num_steps": sum(e.num_steps for e in self.engines),
             "spec_drafted": spec["num_drafted"], "spec_accepted": spec["num_accepted"],
             "prefix_cache_queries": main.prefix.stats.queries, "prefix_cache_hits": main.prefix.stats.hits,
+            "prefix_cache_evicted_pages": main.prefix.pages.num_evicted,
         }
-
-
-async def stream_deltas(deltas: asyncio.Queue, abort: Callable[[], None], timeout: float | None) -> AsyncIterator[Delta]:
-    """A request's deltas from the queue its engine fills, the last one finished; what piled up while the
-    consumer was busy comes as one delta. Leaving early calls abort(); past timeout seconds it aborts, yields
-    the tokens made meanwhile (unfinished) and raises RequestTimedOut."""
-    finished = False
-    try:
-        async with asyncio.timeout(timeout):
-            while not finished:
-                delta = await deltas.get()
-                while not delta.finished and not deltas.empty():
-                    delta = delta.then(deltas.get_nowait())
-                finished = delta.finished
-                yield delta
-    except TimeoutError:
-        abort()
-        produced: list[int] = []
-        while not finished:  # the abort's last delta carries what was produced
-            delta = await deltas.get()
-            finished = delta.finished
-            produced += delta.token_ids
-        if produced:
-            yield Delta(produced)
-        raise RequestTimedOut(f"the request ran past the server's --request-timeout of {timeout:g} s") from None
-    finally:
-        if not finished:
-            abort()
 
 
 def _scores(req, start: int, end: int) -> dict:
@@ -382,19 +337,3 @@ def _scores(req, start: int, end: int) -> dict:
     if sp.prompt_logprobs is not None and start == 0:
         out["prompt_logprobs"] = req.prompt_logprobs
     return out
-
-
-def _fill_queues(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
-
-
-def _call_on(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, arg)
-    except RuntimeError:  # the loop is closed: nobody waits for these deltas any more
-        pass
-
-
-class EngineFull(RuntimeError):
-    """The server holds max_waiting requests beyond its running ones: refuse (HTTP 429) rather than queue."""

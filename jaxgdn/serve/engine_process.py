@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from ..engine.config import EngineConfig
 from ..engine.request import SamplingParams, validate_request
-from .async_engine import Delta, EngineDead, EngineFull, _call_on, _fill_queues, stream_deltas
+from .deltas import Delta, EngineDead, EngineFull, call_on, fill_queues, stream_deltas
 
 logger = logging.getLogger("jaxgdn.serve")
 GAUGE_PERIOD_S = 0.5  # an idle engine still refreshes /metrics this often
@@ -103,6 +103,9 @@ def _engine_main(conn, model: str, config: EngineConfig, log_level: str) -> None
         elif cmd[0] == "abort":
             if cmd[1] in handles:
                 front.abort(handles.pop(cmd[1]))
+        elif cmd[0] == "reset":
+            done = front.reset_prefix_cache()
+            send(("reset", cmd[1], done, front.snapshot))
         else:  # ("stop", abort): the requests in flight get their last deltas before we go
             front.shutdown(abort=cmd[1], timeout=None)  # the engine thread has ended: no delta comes after these
             with lock:
@@ -145,6 +148,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._resets: dict[int, tuple[threading.Event, list]] = {}  # reset_prefix_cache calls awaiting the answer
         self._reader = threading.Thread(target=self._read, name="jaxgdn-engine-reader", daemon=True)
         self._reader.start()
 
@@ -184,6 +188,20 @@ class EngineClient:
         finally:
             await stream.aclose()
 
+    def reset_prefix_cache(self, timeout: float = 60.0) -> bool:
+        """AsyncEngine.reset_prefix_cache, in the engine process."""
+        if not self.alive:
+            return False
+        token, answer = next(self._ids), (threading.Event(), [])
+        self._resets[token] = answer
+        try:
+            self._send(("reset", token))
+        except OSError:
+            return False
+        answered = answer[0].wait(timeout)
+        self._resets.pop(token, None)
+        return answered and answer[1][0]
+
     def _abort(self, handle: int) -> None:
         if handle in self._streams:
             try:
@@ -197,12 +215,20 @@ class EngineClient:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
+                self.process.join(5)  # its exit code, once it is reaped
                 self._fail(f"the engine process exited (code {self.process.exitcode})")
                 return
             if message[0] == "stopped":
                 self._stopped.set()
                 self._fail("the server is shutting down", reason="abort")
                 return
+            if message[0] == "reset":
+                _, token, done, self.snapshot = message
+                event, answer = self._resets.get(token, (None, []))
+                if event is not None:
+                    answer.append(done)
+                    event.set()
+                continue
             _, batch, self.snapshot, alive, error = message
             batches: dict[asyncio.AbstractEventLoop, list] = {}
             for handle, token_ids, finish_reason, err, cached, logprobs, prompt_logprobs in batch:
@@ -212,7 +238,7 @@ class EngineClient:
                                   prompt_logprobs=prompt_logprobs)
                     batches.setdefault(stream[0], []).append((stream[1], delta))
             for loop, items in batches.items():
-                _call_on(loop, _fill_queues, items)
+                call_on(loop, fill_queues, items)
             if not alive and not self.closing:
                 self._fail(f"engine failure: {error}")
                 return
@@ -220,9 +246,12 @@ class EngineClient:
     def _fail(self, error: str, reason: str = "error") -> None:
         """The engine is gone: every live request gets its last delta."""
         self._alive, self.error = False, self.error or error
+        for event, answer in list(self._resets.values()):
+            answer.append(False)
+            event.set()
         for handle in list(self._streams):
             loop, queue = self._streams.pop(handle)
-            _call_on(loop, queue.put_nowait, Delta([], reason, error=error))
+            call_on(loop, queue.put_nowait, Delta([], reason, error=error))
 
     def shutdown(self, abort: bool = True, timeout: float | None = 30.0) -> None:
         """Stop the engine process: abort the requests in flight (each gets its last delta), or with abort=False

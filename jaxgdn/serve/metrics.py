@@ -8,10 +8,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 GAUGES = {
     "running": ("jaxgdn_requests_running", "requests in the running batch"),
     "waiting": ("jaxgdn_requests_waiting", "requests waiting for a slot or pages"),
-    "kv_pages_used": ("jaxgdn_kv_pages_used", "KV cache pages in use"),
+    "kv_pages_used": ("jaxgdn_kv_pages_used", "KV cache pages held by requests"),
+    "kv_pages_cached": ("jaxgdn_kv_pages_cached", "KV cache pages held by the prefix cache alone (freed on demand)"),
     "kv_pages_total": ("jaxgdn_kv_pages_total", "KV cache pages in all"),
     "slots_used": ("jaxgdn_gdn_slots_used", "request slots (GDN state) in use"),
     "slots_total": ("jaxgdn_gdn_slots_total", "request slots (GDN state) in all"),
+    "snapshots_used": ("jaxgdn_gdn_snapshots_used", "GDN state snapshots the prefix cache holds"),
+    "snapshots_total": ("jaxgdn_gdn_snapshots_total", "GDN state snapshots in all"),
     "generation_tokens_per_s": ("jaxgdn_generation_tokens_per_second", "output tokens per second, last 10 s"),
     "compiles_after_startup": ("jaxgdn_compiles_after_startup", "step and state copy programs compiled after start-up"),
     "xla_compiles_after_startup": ("jaxgdn_xla_compiles_after_startup",
@@ -26,6 +29,7 @@ COUNTERS = {
     "spec_accepted": ("jaxgdn_spec_decode_accepted_tokens", "MTP draft tokens accepted"),
     "prefix_cache_queries": ("jaxgdn_prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("jaxgdn_prefix_cache_hits", "prompt tokens found in the prefix cache (not computed)"),
+    "prefix_cache_evicted_pages": ("jaxgdn_prefix_cache_evicted_pages", "cached KV pages evicted to make room"),
 }
 
 

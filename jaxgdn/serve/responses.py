@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..engine.pd import Handoff
 from ..engine.request import SamplingParams
 from ..engine.workers import needs_prefill
-from .async_engine import EngineDead, EngineFull, RequestTimedOut
+from .deltas import EngineDead, EngineFull, RequestTimedOut
 from .openai_logprobs import CompletionLogprobs, choice_chat_logprobs, choice_completion_logprobs, prompt_logprobs_json
 from .protocol import BadRequest, SamplingFields, error_body
 from .server_state import ServerState
@@ -49,31 +49,21 @@ class Choice:
 async def generate(state: ServerState, ids: list[int], sp: SamplingParams, handoff: Handoff | None = None
                    ) -> AsyncIterator:
     """The request's deltas; a decode role with a prefill URL fetches the prompt's handoff first."""
+    started = None
     if handoff is not None:
         ids = None
     elif state.http is not None and needs_prefill(ids):
-        import httpx
-
-        try:
-            r = await state.http.post("/v1/prefill", json={"prompt_token_ids": ids,
-                                                           "sampling_params": dataclasses.asdict(sp)})
-        except httpx.HTTPError as e:
-            raise BadRequest(f"prefill server {state.prefill_url} unreachable: {e!r}", status=502,
-                             kind="server_error") from None
-        if r.status_code != 200:
-            raise BadRequest(f"prefill server: {r.text}", status=502, kind="server_error")
-        try:
-            handoff = Handoff.from_bytes(r.content)
-        except ValueError as e:
-            raise BadRequest(f"prefill server sent a bad handoff: {e}", status=502, kind="server_error") from None
-        ids = None
-    staged = False
+        started = time.monotonic()
+        handoff, ids = await fetch_handoff(state, ids, sp), None
+    staged, timeout = False, state.request_timeout
+    if timeout is not None and started is not None:  # the prefill server's time counts against the request's
+        timeout = max(0.0, timeout - (time.monotonic() - started))
     try:
         if handoff is not None and state.staging is not None:
             await state.staging.acquire()
             staged = True
             await stage(state, handoff)
-        async for delta in state.front.generate(ids, sp, handoff=handoff, timeout=state.request_timeout):
+        async for delta in state.front.generate(ids, sp, handoff=handoff, timeout=timeout):
             if staged:  # its first delta comes after its import: the staged arrays are free
                 state.staging.release()
                 staged = False
@@ -87,6 +77,45 @@ async def generate(state: ServerState, ids: list[int], sp: SamplingParams, hando
     finally:
         if staged:
             state.staging.release()
+
+
+async def fetch_handoff(state: ServerState, ids: list[int], sp: SamplingParams) -> Handoff:
+    """A decode role's handoff of a prompt from its prefill server; BadRequest 502 when that server is unreachable,
+    fails or dies mid-request, 504 when it sends nothing within the prefill (or request) timeout."""
+    import httpx
+
+    limits = [t for t in (state.prefill_timeout, state.request_timeout) if t is not None]
+    timeout = min(limits) if limits else None
+    try:
+        r = await state.http.post("/v1/prefill", json={"prompt_token_ids": ids, "sampling_params": dataclasses.asdict(sp)},
+                                  timeout=timeout)
+    except httpx.TimeoutException:
+        raise BadRequest(f"the prefill server {state.prefill_url} sent no handoff within {timeout:g} s", status=504,
+                         kind="timeout_error") from None
+    except httpx.HTTPError as e:
+        raise BadRequest(f"the prefill server {state.prefill_url} is unreachable or failed mid-request: {e!r}",
+                         status=502, kind="server_error") from None
+    if r.status_code == 429:  # full: the client may retry later, as with this server's own 429
+        raise BadRequest(f"the prefill server is full: {r.text[:500]}", status=429, kind="rate_limit_error")
+    if r.status_code != 200:
+        raise BadRequest(f"the prefill server answered {r.status_code}: {r.text[:500]}", status=502, kind="server_error")
+    try:
+        return Handoff.from_bytes(r.content)
+    except ValueError as e:
+        raise BadRequest(f"the prefill server sent a bad handoff: {e}", status=502, kind="server_error") from None
+
+
+async def until_done_or_gone(tasks: list[asyncio.Task], http_request: Request | None) -> bool:
+    """Wait for tasks, raising the first one's error; False as soon as the client has hung up (tasks left running:
+    the caller cancels them)."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()  # a refused choice (429, 408, 502) raises its BadRequest here
+        if pending and http_request is not None and await http_request.is_disconnected():
+            return False
+    return True
 
 
 async def stage(state: ServerState, handoff: Handoff) -> None:
@@ -153,16 +182,11 @@ async def respond(state: ServerState, body: SamplingFields, choices: list[Choice
     if not body.stream:
         tasks = [asyncio.create_task(run_choice(state, c)) for c in choices]
         try:
-            pending = set(tasks)
-            while pending:
-                done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
-                for t in done:
-                    t.result()  # a refused choice (429, 408, 502) raises its BadRequest here
-                if pending and http_request is not None and await http_request.is_disconnected():
-                    logger.info("%s: the client hung up; its %d choice(s) are aborted", rid, len(pending))
-                    return Response(status_code=499)  # nobody reads it; every choice is aborted below
+            if not await until_done_or_gone(tasks, http_request):
+                logger.info("%s: the client hung up; its choices are aborted", rid)
+                return Response(status_code=499)  # nobody reads it; every choice is aborted below
         finally:  # the client gone, a choice refused or the handler cancelled: every choice stops
-            _cancel(tasks)
+            cancel_tasks(tasks)
         failed = [c for c in choices if c.finish_reason == "error"]
         if failed:
             raise BadRequest(failed[0].error or "request failed", status=500, kind="server_error")
@@ -237,7 +261,7 @@ async def respond(state: ServerState, body: SamplingFields, choices: list[Choice
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client left, or an error ended the stream: abort what runs
-            _cancel(tasks)
+            cancel_tasks(tasks)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -251,7 +275,7 @@ def _echo_text(state: ServerState, c: Choice) -> str:
     return _decode(state)(c.prompt_ids) if c.echo else ""
 
 
-def _cancel(tasks: list[asyncio.Task]) -> None:
+def cancel_tasks(tasks: list[asyncio.Task]) -> None:
     """Cancel the tasks of a request's choices; what they end with is retrieved, so nothing is logged."""
     for t in tasks:
         t.cancel()
