@@ -9,6 +9,7 @@ Sub-commands:
   pd       PD handoff bytes, serialisation and device-move time per request (one and two devices)
   serve    the serving benchmark: a seeded workload (random, sharegpt-like, the shipped task) all at once or
            at a request rate; start-up, cold and warm wall time, tokens/s, TTFT/TPOT/ITL, the bound, transformers
+  soak     hours of mixed HTTP traffic against real server processes (or a PD pair): nothing leaks, nothing fails
   comm     the collectives of a tensor-parallel decode step, counted in its lowered program (CPU is enough)
   table    print the README's markdown tables from bench/results/*.json
 """
@@ -137,6 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-dir", default=None, metavar="DIR",
                     help="run one process on the compilation cache DIR that an earlier run filled (e.g. a server's "
                          "$JAXGDN_CACHE_DIR), instead of an empty one and then a start-up on it")
+    so = add("soak", "mixed HTTP traffic for --minutes against `python -m jaxgdn.serve` (or a PD pair): errors, "
+                     "leaks, memory growth, identical greedy probes; JSON and a PNG plot")
+    so.add_argument("--minutes", type=float, default=30.0, help="minutes of Poisson traffic (default %(default)s)")
+    so.add_argument("--model", default=None, help="checkpoint directory (default: the shipped one)")
+    so.add_argument("--pd", action="store_true", help="a prefill server and a decode server (--role prefill/decode)")
+    so.add_argument("--server-args", default="--max-num-seqs 32 --max-num-batched-tokens 512 --num-kv-pages 1200",
+                    help="more `python -m jaxgdn.serve` flags for every server (default: %(default)r, a KV pool the "
+                         "prefix cache outgrows; add --num-speculative-tokens 1 for MTP)")
+    so.add_argument("--load", type=float, default=0.7, help="arrival rate as a share of the measured capacity")
+    so.add_argument("--probe-seconds", type=float, default=60.0,
+                    help="length of the closed-loop probe that measures capacity (default %(default)s)")
+    so.add_argument("--concurrency", type=int, default=None,
+                    help="clients of the capacity probe (default: the servers' --max-num-seqs)")
+    so.add_argument("--sample-interval", type=float, default=5.0, help="seconds between /metrics and RSS samples")
+    so.add_argument("--request-timeout", type=float, default=600.0, help="the client's timeout per request, s")
+    so.add_argument("--start-timeout", type=float, default=1800.0, help="seconds the servers get to start")
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--no-plot", action="store_true", help="write no PNG beside the JSON")
     c = add("comm", "collectives of a tensor-parallel decode step, from its lowered program (CPU: set "
                     "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     c.add_argument("--model", nargs="+", default=["qwen3.5-9b", "qwen3.5-27b"], help="presets")
@@ -184,9 +203,13 @@ def main(argv=None) -> int:
         from .serve_http import bench_serve_http as run
     elif args.command == "serve":
         from .serve import bench_serve as run
+    elif args.command == "soak":
+        from .soak import bench_soak as run
     env = environment(os.environ.get("XLA_FLAGS", ""))
     out = Path(args.out) if args.out else None
     name = "serve-http" if getattr(args, "http", None) else args.command
+    if args.command == "soak":
+        name = "soak-pd" if args.pd else "soak"
 
     def save_partial(payload: dict) -> None:
         """Benchmarks call this after every row, so an interrupted run keeps the rows it measured."""
@@ -197,7 +220,14 @@ def main(argv=None) -> int:
     payload = run(args)
     payload["env"] = env
     if not args.no_save:
-        print(f"wrote {write_result(name, {**payload, 'complete': True}, out)}")
+        path = write_result(name, {**payload, 'complete': True}, out)
+        print(f"wrote {path}")
+        if args.command == "soak" and not args.no_plot:
+            from .soak_plot import plot_soak
+
+            print(f"wrote {plot_soak(payload, path.with_suffix('.png'))}")
+    if args.command == "soak" and not payload["passed"]:
+        return 1
     return 0
 
 

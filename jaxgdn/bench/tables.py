@@ -13,6 +13,10 @@ def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
+def _yes(x) -> str:
+    return "-" if x is None else "yes" if x else "no"
+
+
 def _times(x):
     """A ratio as "2.05x" ("-" when absent)."""
     return "-" if x is None else f"{x:.2f}x"
@@ -169,6 +173,22 @@ def serve_http_table(d: dict) -> list[str]:
                                           str(r[1]["errors"]), _fmt(r[1]["compiles_after_startup"], ".0f")])
 
 
+def soak_table(d: dict) -> list[str]:
+    """`bench soak`: minutes of mixed HTTP traffic against real servers, and what was left once it stopped."""
+    c, r, rss = d["config"], d["requests"], d["rss"]
+    mode = "a PD pair" if c["pd"] else "one server"
+    head = (f"{c['minutes']:g} minutes of the mix at {c['load']:.0%} of the measured capacity "
+            f"({d['capacity_requests_per_s']:.2f} requests/s) against {mode}, `{c['server_args']}`; PNG beside the JSON.")
+    growth = "n/a" if rss["growth"] is None else f"{rss['growth']:+.1%} ({rss['base_mb']:.0f} -> {rss['end_mb']:.0f} MB)"
+    held = "; ".join(f"{role}: {sum(v.values()):.0f}" for role, v in d["end_state"]["held_by_requests"].items())
+    return [head, ""] + _table(
+        ["requests", "ok / hung up by the client / errors", "output tok/s", "latency p50 / p99 s",
+         "held by requests at the end", "RSS growth after minute 5", "probes identical", "passed"], [d],
+        lambda d: [str(r["sent"]), f"{r['ok']} / {r['hung_up']} / {r['errors'] + r['server_errors']}",
+                   f"{d['output_tokens_per_s']:.1f}", f"{d['latency_s']['p50']:.2f} / {d['latency_s']['p99']:.2f}",
+                   held, growth, _yes(d["verdict"]["probes_identical"]), _yes(d["passed"])])
+
+
 def eval_table(d: dict) -> list[str]:
     """`python -m jaxgdn.eval --configs ...`: accuracy per serving configuration, with and without the bug."""
     return _table(["configuration", "concurrency", "#47466", "accuracy", "identical to baseline",
@@ -201,7 +221,7 @@ def startup_table(d: dict) -> list[str]:
 
 TABLES = {"serve": serve_table, "startup": startup_table, "serve-http": serve_http_table, "decode": decode_table, "prefill": prefill_table, "spec": spec_table,
           "kernels": kernels_table, "pd": pd_table, "eval": eval_table, "eval-mc": eval_mc_table,
-          "comm": comm_table}
+          "comm": comm_table, "soak": soak_table}
 
 
 def benchmark_of(d: dict, path: Path) -> str:
