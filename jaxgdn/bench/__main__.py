@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more `python -m jaxgdn.serve` flags for every server (default: %(default)r, a KV pool the "
                          "prefix cache outgrows; add --num-speculative-tokens 1 for MTP)")
     so.add_argument("--load", type=float, default=0.7, help="arrival rate as a share of the measured capacity")
+    so.add_argument("--rate", type=float, default=None,
+                    help="requests a second instead of --load times the measured capacity (no capacity probe)")
     so.add_argument("--probe-seconds", type=float, default=60.0,
                     help="length of the closed-loop probe that measures capacity (default %(default)s)")
     so.add_argument("--concurrency", type=int, default=None,

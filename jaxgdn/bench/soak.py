@@ -240,10 +240,13 @@ async def _soak(args, servers: list[Server], model: str) -> dict:
         probes_start = await _probe(client, model)
         traffic = Traffic(model, args.seed, Mix())
         probe_outcomes: list[dict] = []
-        capacity = await _capacity(client, traffic, args.concurrency, args.probe_seconds, probe_outcomes)
-        rate = args.load * capacity
-        print(f"capacity {capacity:.2f} requests/s (closed loop of {args.concurrency}); sending {rate:.2f}/s "
-              f"for {args.minutes:g} min", flush=True)
+        if args.rate:
+            capacity, rate = None, args.rate
+        else:
+            capacity = await _capacity(client, traffic, args.concurrency, args.probe_seconds, probe_outcomes)
+            rate = args.load * capacity
+            print(f"capacity {capacity:.2f} requests/s (closed loop of {args.concurrency})", flush=True)
+        print(f"sending {rate:.2f} requests/s for {args.minutes:g} min", flush=True)
         traffic_start = time.perf_counter() - t0
         outcomes = await _poisson(client, traffic, rate, args.minutes * 60, args.seed + 1)
         traffic_end = time.perf_counter() - t0
@@ -289,7 +292,8 @@ def _report(args, samples, outcomes, probe_outcomes, capacity, rate, window, end
     span = window[1] - window[0]
     return {
         "benchmark": "soak",
-        "config": {"minutes": args.minutes, "pd": args.pd, "server_args": args.server_args, "load": args.load,
+        "config": {"minutes": args.minutes, "pd": args.pd, "server_args": args.server_args,
+                   "load": None if args.rate else args.load,
                    "seed": args.seed, "concurrency": args.concurrency, "probe_seconds": args.probe_seconds,
                    "mix": dataclasses.asdict(Mix())},
         "capacity_requests_per_s": capacity, "rate_requests_per_s": rate,

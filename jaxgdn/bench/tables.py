@@ -177,8 +177,9 @@ def soak_table(d: dict) -> list[str]:
     """`bench soak`: minutes of mixed HTTP traffic against real servers, and what was left once it stopped."""
     c, r, rss = d["config"], d["requests"], d["rss"]
     mode = "a PD pair" if c["pd"] else "one server"
-    head = (f"{c['minutes']:g} minutes of the mix at {c['load']:.0%} of the measured capacity "
-            f"({d['capacity_requests_per_s']:.2f} requests/s) against {mode}, `{c['server_args']}`; PNG beside the JSON.")
+    load = (f"at {c['load']:.0%} of the measured capacity ({d['capacity_requests_per_s']:.2f} requests/s)"
+            if c.get("load") else f"at {d['rate_requests_per_s']:g} requests/s")
+    head = f"{c['minutes']:g} minutes of the mix {load} against {mode}, `{c['server_args']}`; PNG beside the JSON."
     growth = "n/a" if rss["growth"] is None else f"{rss['growth']:+.1%} ({rss['base_mb']:.0f} -> {rss['end_mb']:.0f} MB)"
     held = "; ".join(f"{role}: {sum(v.values()):.0f}" for role, v in d["end_state"]["held_by_requests"].items())
     return [head, ""] + _table(
